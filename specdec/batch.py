@@ -1,0 +1,106 @@
+"""The ragged batch: one dataclass that documents the layout every strategy works on.
+
+Rows are right-aligned: row ``b`` holds its ``n[b] = lengths[b]`` real tokens (prompt then
+committed output) in slots ``W - n[b] .. W - 1`` and padding before them (contiguous
+profile). ``valid`` is the attention mask over slots; padding is never inferred from token
+ids. The newest committed token of a row (its pending token) sits in slot ``W - 1``; its
+key/value are computed by the next forward, so every cache has width ``W - 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import layout
+from .cache import SlabCache
+
+#: token id written into padding slots; never read as data (valid says what is real)
+PAD_FILL = 0
+
+
+@dataclass
+class RaggedBatch:
+    # [batch_size, width] long: token id of every slot (PAD_FILL on padding slots)
+    tokens: torch.Tensor
+    # [batch_size, width] bool: slot holds a real token (the attention mask over slots)
+    valid: torch.Tensor
+    # [batch_size, width] long: position id of every slot (0 on padding slots)
+    positions: torch.Tensor
+    # [batch_size] long: n[b], real tokens of the row (prompt + committed output)
+    lengths: torch.Tensor
+    # [batch_size] long: prompt tokens of the row
+    prompt_lengths: torch.Tensor
+    # [batch_size] long: most new tokens the row may commit
+    budgets: torch.Tensor
+    # [batch_size] long: new tokens committed so far
+    generated: torch.Tensor
+    # [batch_size] bool: the row hit a stop token or its budget
+    finished: torch.Tensor
+    # [batch_size] long: index of the request (prompt) the row serves
+    row_ids: torch.Tensor
+    # [batch_size, max_budget] long: committed output; output[b, :generated[b]] is real
+    output: torch.Tensor
+    # the target's cache: width cache_width(width) outside a step
+    target_cache: SlabCache
+    # the drafter's cache (ModelDrafter only), same layout as the target's
+    draft_cache: SlabCache | None = None
+    # derived in __post_init__
+    batch_size: int = field(init=False)
+    width: int = field(init=False)
+
+    def __post_init__(self):
+        self.batch_size, self.width = self.tokens.shape
+        b, w = self.batch_size, self.width
+        for name in ("valid", "positions"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (b, w):
+                raise ValueError(f"{name} must be [batch_size, width] = [{b}, {w}], got {list(t.shape)}")
+        for name in ("lengths", "prompt_lengths", "budgets", "generated", "finished", "row_ids"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (b,):
+                raise ValueError(f"{name} must be [batch_size] = [{b}], got {list(t.shape)}")
+        if self.output.shape[0] != b:
+            raise ValueError(f"output must have batch_size {b} rows, got {self.output.shape[0]}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def remaining(self) -> torch.Tensor:
+        """[batch_size] long: tokens the row may still commit."""
+        return self.budgets - self.generated
+
+
+def left_pad(prompts: list[list[int]], device=None):
+    """Right-align ``prompts`` in a rectangle of width max(len).
+
+    Returns tokens [B, W] long, valid [B, W] bool, positions [B, W] long, lengths [B] long.
+    """
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    width = int(max(len(p) for p in prompts))
+    tokens = torch.full((len(prompts), width), PAD_FILL, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):  # host-side construction of the input, once per batch
+        if p:
+            tokens[b, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
+    j = torch.arange(width, device=device)[None, :]
+    pad = layout.new_padding(width, lengths)[:, None]
+    valid = layout.slot_valid(j, pad)
+    positions = layout.slot_position(layout.TORCH, j, pad)
+    return tokens, valid, positions, lengths
+
+
+def dummy(batch_size: int = 2, width: int = 5, max_budget: int = 4) -> RaggedBatch:
+    """A small consistent batch for tests: row b has width - b real tokens (min 1)."""
+    prompts = [list(range(3, 3 + max(1, width - b))) for b in range(batch_size)]
+    tokens, valid, positions, lengths = left_pad(prompts)
+    z = torch.zeros(batch_size, dtype=torch.long)
+    return RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+        prompt_lengths=lengths.clone(), budgets=z + max_budget, generated=z.clone(),
+        finished=torch.zeros(batch_size, dtype=torch.bool), row_ids=torch.arange(batch_size),
+        output=torch.zeros(batch_size, max_budget, dtype=torch.long),
+        target_cache=SlabCache(1, width + 16),
+    )

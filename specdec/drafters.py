@@ -1,0 +1,166 @@
+"""Drafters: who proposes the k tokens a verify step checks.
+
+One interface (``Drafter``):
+- ``prefill(batch)``: called once after the target's prefill (a drafter with a cache
+  builds it here);
+- ``propose(batch, k) -> drafts [B, k] long``: called once per step; every row gets k
+  proposals (rows whose budget allows fewer simply cannot accept the rest);
+- ``uses_cache``: whether the drafter keeps ``batch.draft_cache``. The engine realigns that
+  cache with the same gather as the target's.
+
+Cache convention of ``ModelDrafter``: outside a step its cache has width ``W - 1`` like the
+target's. ``propose`` feeds the pending token and the k drafts one at a time (k + 1
+forwards; the last output is discarded) so that after drafting its cache has width
+``W + k``, exactly the target's extended width after verify; one realignment plan then
+serves both caches. In the view: ``draft_cache_lag = k + 1`` during a step, 0 outside.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from . import cache as cache_mod
+from . import layout
+from .batch import RaggedBatch
+
+
+class Drafter(Protocol):
+    uses_cache: bool
+
+    def prefill(self, batch: RaggedBatch) -> None: ...
+    def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor: ...
+
+
+class ModelDrafter:
+    """Drafts greedily with a smaller causal LM sharing the target's vocabulary."""
+
+    uses_cache = True
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def check_compatible(self, target: torch.nn.Module) -> None:
+        from .models import vocab_size
+
+        vt, vd = vocab_size(target), vocab_size(self.model)
+        if vt != vd:
+            raise ValueError(
+                f"draft and target vocabularies must match: the draft model has {vd} tokens, "
+                f"the target {vt}; a draft proposes token ids the target must verify"
+            )
+
+    def prefill(self, batch: RaggedBatch) -> None:
+        capacity = batch.target_cache.slab.capacity
+        batch.draft_cache = cache_mod.new_cache(self.model, capacity)
+        w = batch.width
+        if w > 1:
+            cache_mod.forward(self.model, batch.tokens[:, : w - 1], batch.positions[:, : w - 1],
+                              batch.valid[:, : w - 1], batch.draft_cache)
+
+    @torch.no_grad()
+    def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        cache = batch.draft_cache
+        b, w = batch.tokens.shape
+        mask = batch.valid[:, : w - 1]
+        ones = torch.ones(b, 1, dtype=mask.dtype, device=mask.device)
+        token = batch.tokens[:, w - 1 :]
+        drafts = []
+        for i in range(k + 1):  # k + 1 sequential one-token forwards (see module docstring)
+            mask = torch.cat([mask, ones], dim=1)
+            pos = layout.verify_position(batch.lengths, i)[:, None]
+            logits = cache_mod.forward(self.model, token, pos, mask, cache)
+            if i < k:
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                drafts.append(token)
+        if not drafts:
+            return torch.zeros(b, 0, dtype=torch.long, device=batch.device)
+        return torch.cat(drafts, dim=1)
+
+
+class NGramDrafter:
+    """Model-free drafts from n-grams of the row's own prompt and output.
+
+    For n from ``max_n`` down to ``min_n``: find the latest earlier occurrence of the row's
+    last n tokens and propose the k tokens that followed it (prompt lookup decoding). Rows
+    with no match propose their pending token repeated. Vectorised over rows.
+    """
+
+    uses_cache = False
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def prefill(self, batch: RaggedBatch) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        tokens, valid = batch.tokens, batch.valid
+        b, w = tokens.shape
+        dev = tokens.device
+        pending = tokens[:, w - 1 :]
+        best = pending.expand(b, k).clone()
+        if k == 0:
+            return best
+        found = torch.zeros(b, dtype=torch.bool, device=dev)
+        for n in range(self.max_n, self.min_n - 1, -1):  # a few n-gram sizes, not rows
+            if w - 1 < n:
+                continue
+            # windows[b, s, :] = tokens[b, s : s + n] for starts s in 0 .. w - n - 1
+            windows = tokens[:, : w - 1].unfold(1, n, 1)  # [B, w-n, n]
+            wvalid = valid[:, : w - 1].unfold(1, n, 1).all(dim=2)
+            suffix = tokens[:, w - n :]  # [B, n]
+            hit = (windows == suffix[:, None, :]).all(dim=2) & wvalid  # [B, w - n]
+            hit = hit & valid[:, w - n : w].all(dim=1, keepdim=True)
+            s = torch.arange(hit.shape[1], device=dev)[None, :]
+            last = torch.where(hit, s, -1).max(dim=1).values  # latest match start
+            ok = (last >= 0) & ~found
+            follow = (last + n)[:, None] + torch.arange(k, device=dev)[None, :]
+            follow = follow.clamp(max=w - 1)
+            cand = tokens.gather(1, follow)
+            best = torch.where(ok[:, None], cand, best)
+            found = found | ok
+        return best
+
+
+class ScriptedDrafter:
+    """Proposes given tokens: ``scripts[r]`` is the continuation to propose for request r.
+
+    At each step row b proposes ``scripts[row_ids[b]][generated[b] : generated[b] + k]``;
+    past the end of a script it proposes ``fill``. With the target's own greedy output as
+    script every draft is accepted; any other script forces rejections.
+    """
+
+    uses_cache = False
+
+    def __init__(self, scripts: Sequence[Sequence[int]], fill: int = 0):
+        if not scripts:
+            raise ValueError("ScriptedDrafter needs one script per request, got none")
+        self.fill = int(fill)
+        longest = max(len(s) for s in scripts)
+        table = torch.full((len(scripts), longest + 1), self.fill, dtype=torch.long)
+        for r, s in enumerate(scripts):  # host-side, once at construction
+            if len(s):
+                table[r, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        self.table = table
+
+    def bind(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Called by ``generate`` with the prompts: one script per prompt is required."""
+        if len(prompts) > self.table.shape[0]:
+            raise ValueError(f"ScriptedDrafter has {self.table.shape[0]} scripts for "
+                             f"{len(prompts)} prompts: give one script per prompt")
+
+    def prefill(self, batch: RaggedBatch) -> None:
+        if self.table.device != batch.device:
+            self.table = self.table.to(batch.device)
+
+    @torch.no_grad()
+    def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        rows = self.table.index_select(0, batch.row_ids)  # [B, S]
+        cols = batch.generated[:, None] + torch.arange(k, device=batch.device)[None, :]
+        cols = cols.clamp(max=self.table.shape[1] - 1)
+        return rows.gather(1, cols)

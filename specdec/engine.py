@@ -1,0 +1,346 @@
+"""The decoding loop: prefill -> (draft -> verify -> commit -> realign)* with hooks.
+
+Reads top to bottom: ``generate`` validates its inputs, splits the prompts into batches of
+``batch_size`` and runs ``run_batch`` on each; ``run_batch`` calls ``prefill`` once and
+``step`` until every row has finished. After each phase every hook is called as
+``hook(phase, view)`` with a read-only ``invariants.StepView``.
+
+Host synchronisation: one small transfer per step (which rows finished and the new width,
+``B + 1`` integers), needed to size the realigned tensors; none inside draft, verify,
+commit or the realignment gathers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from invariants.view import ForwardRecord, StepView
+
+from . import acceptance, layout
+from . import cache as cache_mod
+from .batch import RaggedBatch, left_pad
+from .drafters import NGramDrafter
+from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
+from .strategies import eqspec
+
+STRATEGIES = ("eqspec", "exspec", "holes")
+PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
+
+Hook = Callable[[str, StepView], None]
+
+
+@dataclass
+class Stats:
+    """Counters of one ``generate`` call."""
+
+    steps: int = 0
+    drafted: int = 0  # drafts rows could use (sum of draft limits)
+    accepted: int = 0
+    committed: int = 0
+    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES})
+    accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / usable drafts (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "committed": self.committed, "acceptance": self.acceptance,
+                "seconds": dict(self.seconds)}
+
+
+@dataclass
+class Result:
+    # generated ids per prompt, in prompt order, the stop token included where one ended it
+    sequences: list
+    stats: Stats
+
+
+@dataclass
+class Context:
+    """What stays fixed during one ``generate`` call."""
+
+    target: torch.nn.Module
+    drafter: object
+    k: int
+    stop_ids: torch.Tensor  # [S] long
+    hooks: Sequence[Hook]
+    stats: Stats
+    max_position: int
+    profile: str = "contiguous"
+    strategy: str = "eqspec"
+    step: int = 0
+    batch_index: int = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Validation at the boundary
+# ---------------------------------------------------------------------------------------
+
+def _check_causal_lm(model, role: str) -> None:
+    ok = (isinstance(model, torch.nn.Module) and hasattr(model, "config")
+          and not getattr(model.config, "is_encoder_decoder", False)
+          and callable(getattr(model, "get_output_embeddings", None))
+          and model.get_output_embeddings() is not None)
+    if not ok:
+        raise TypeError(
+            f"the {role} must be a transformers causal language model (a *ForCausalLM with an "
+            f"LM head), got {type(model).__name__}"
+        )
+
+
+def _to_ids(prompts, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of token-id lists or a list of strings")
+    if len(prompts) == 0:
+        raise ValueError("prompts must hold at least one prompt, got an empty list")
+    if all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need tokenizer=; or pass token-id lists")
+        return [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if isinstance(p, str):
+            raise TypeError("prompts must be all strings or all token-id lists, not a mix")
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token "
+                             "(the model predicts the next token from it)")
+        out.append(p)
+    return out
+
+
+def validate(target, ids, *, drafter, strategy, k, batch_size, max_new_tokens):
+    _check_causal_lm(target, "target")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k (drafts per step) must be an integer >= 0, got {k!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    vocab = vocab_size(target)
+    for i, p in enumerate(ids):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    ctx = context_length(target)
+    if ctx is not None:
+        for i, p in enumerate(ids):
+            if len(p) + max_new_tokens > ctx:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
+                    f"needs {len(p) + max_new_tokens} positions, beyond the model's context of "
+                    f"{ctx}: prompt + budget must be <= context"
+                )
+    if hasattr(drafter, "check_compatible"):
+        drafter.check_compatible(target)
+    if hasattr(drafter, "model"):
+        _check_causal_lm(drafter.model, "draft model")
+
+
+# ---------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------
+
+def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
+    """Build the read-only view and call every hook (nothing is built without hooks)."""
+    if not ctx.hooks:
+        return
+    tc, dc = batch.target_cache, batch.draft_cache
+    lag = 0
+    if dc is not None and phase in ("draft", "verify", "commit"):
+        lag = ctx.k + 1
+    view = StepView(
+        step=ctx.step, phase=phase, profile=ctx.profile, k=ctx.k,
+        tokens=batch.tokens, valid=batch.valid, positions=batch.positions,
+        lengths=batch.lengths, prompt_lengths=batch.prompt_lengths, budgets=batch.budgets,
+        generated=batch.generated, finished=batch.finished, row_ids=batch.row_ids,
+        output=batch.output, stop_token_ids=tuple(int(s) for s in ctx.stop_ids.tolist()),
+        cache_widths=tuple(tc.layer_widths()),
+        cache_batch_sizes=tuple([tc.batch_size] * len(tc.layers)),
+        draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
+        draft_cache_lag=lag, model=ctx.target, cache_tensors=tc.layer_tensors,
+        info={"strategy": ctx.strategy, "batch_index": ctx.batch_index}, **extra,
+    )
+    for hook in ctx.hooks:
+        hook(phase, view)
+
+
+# ---------------------------------------------------------------------------------------
+# Phases
+# ---------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets: list[int]) -> RaggedBatch:
+    """Right-align the prompts and compute the target (and drafter) cache of all but the
+    pending token of every row."""
+    dev = next(ctx.target.parameters()).device
+    tokens, valid, positions, lengths = left_pad(prompts, device=dev)
+    b, w = tokens.shape
+    max_budget = max(budgets)
+    capacity = w + max_budget + ctx.k + 1
+    budgets_t = torch.tensor(budgets, dtype=torch.long, device=dev)
+    batch = RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+        prompt_lengths=lengths.clone(), budgets=budgets_t,
+        generated=torch.zeros(b, dtype=torch.long, device=dev),
+        finished=torch.zeros(b, dtype=torch.bool, device=dev),
+        row_ids=torch.tensor(row_ids, dtype=torch.long, device=dev),
+        output=torch.zeros(b, max_budget + ctx.k + 1, dtype=torch.long, device=dev),
+        target_cache=cache_mod.new_cache(ctx.target, capacity),
+    )
+    record = None
+    if w > 1:
+        ids, pos, mask = tokens[:, : w - 1], positions[:, : w - 1], valid[:, : w - 1]
+        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache)
+        record = ForwardRecord(ids, pos, mask, 0)
+    ctx.drafter.prefill(batch)
+    emit(ctx, "prefill", batch, forward=record)
+    return batch
+
+
+def _timed(ctx: Context, phase: str, t0: float) -> float:
+    t1 = time.perf_counter()
+    ctx.stats.seconds[phase] += t1 - t0
+    return t1
+
+
+@torch.no_grad()
+def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
+    """One speculative step; returns the realigned batch, or None when every row finished.
+
+    Finished rows leave the batch; their (row_ids, output, generated) go to ``done``.
+    """
+    k, dev = ctx.k, batch.device
+    b, w = batch.tokens.shape
+    t = time.perf_counter()
+
+    # -- draft ---------------------------------------------------------------------------
+    remaining = batch.remaining
+    limit = layout.draft_limit(layout.TORCH, k, remaining)
+    drafts = ctx.drafter.propose(batch, k)
+    if tuple(drafts.shape) != (b, k):
+        raise ValueError(f"drafter returned drafts of shape {list(drafts.shape)}, expected [{b}, {k}]")
+    t = _timed(ctx, "draft", t)
+    emit(ctx, "draft", batch, drafts=drafts, draft_limit=limit)
+
+    # -- verify: one forward over pending ++ drafts, explicit positions and mask ----------
+    t = time.perf_counter()
+    inputs = torch.cat([batch.tokens[:, w - 1 :], drafts], dim=1)
+    i = torch.arange(k + 1, device=dev)[None, :]
+    positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
+    mask = torch.cat([batch.valid[:, : w - 1], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
+    cache_before = batch.target_cache.width
+    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache)
+    predictions = logits.argmax(dim=-1)
+    t = _timed(ctx, "verify", t)
+    emit(ctx, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
+         forward=ForwardRecord(inputs, positions, mask, cache_before))
+
+    # -- commit: accept, correction/bonus, stop tokens, budget ---------------------------
+    t = time.perf_counter()
+    accepted = acceptance.accepted_count(drafts, predictions, limit)
+    committed, stopped = acceptance.committed_count(predictions, accepted, remaining, ctx.stop_ids)
+    before = batch.generated
+    cols = before[:, None] + i
+    written = torch.where(i < committed[:, None], predictions, 0)
+    batch.output = batch.output.scatter(1, cols, written)
+    batch.generated = before + committed
+    batch.finished = batch.finished | stopped | (batch.generated >= batch.budgets)
+    t = _timed(ctx, "commit", t)
+    emit(ctx, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
+         accepted=accepted, committed=committed, generated_before=before)
+
+    # -- the one host sync of the step: finished rows and the new width ------------------
+    t = time.perf_counter()
+    n_new = torch.where(batch.finished, 0, batch.lengths + committed)
+    host = torch.cat([batch.finished.long(), n_new.max()[None], limit.sum()[None],
+                      accepted.sum()[None], committed.sum()[None]]).tolist()
+    finished, new_width = host[:b], host[b]
+    st = ctx.stats
+    st.steps += 1
+    st.drafted += host[b + 1]
+    st.accepted += host[b + 2]
+    st.committed += host[b + 3]
+    if ctx.hooks:
+        st.accepted_history.append(accepted.tolist())
+    ctx.step += 1
+    if any(finished):
+        fin = torch.nonzero(batch.finished).squeeze(1)
+        done.append((batch.row_ids[fin], batch.output[fin], batch.generated[fin]))
+    if all(finished):
+        _timed(ctx, "realign", t)
+        return None
+
+    # -- realign ---------------------------------------------------------------------------
+    rows = torch.nonzero(~batch.finished).squeeze(1)
+    batch = eqspec.realign(batch, predictions, committed, rows, new_width, k)
+    _timed(ctx, "realign", t)
+    emit(ctx, "realign", batch)
+    return batch
+
+
+def run_batch(ctx: Context, prompts, row_ids, budgets, done: list) -> None:
+    batch = prefill(ctx, prompts, row_ids, budgets)
+    while batch is not None:
+        batch = step(ctx, batch, done)
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------
+
+def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
+             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=()) -> Result:
+    """Greedy speculative decoding of ``prompts`` with ``target``.
+
+    Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
+    prompt i, the stop token included where one ended the row, equal to the target's own
+    greedy decoding. ``stop_token_ids`` defaults to the target's generation config.
+    """
+    ids = _to_ids(prompts, tokenizer)
+    drafter = NGramDrafter() if drafter is None else drafter
+    validate(target, ids, drafter=drafter, strategy=strategy, k=k, batch_size=batch_size,
+             max_new_tokens=max_new_tokens)
+    if strategy != "eqspec":
+        raise NotImplementedError(f"strategy {strategy!r} is not available yet; use 'eqspec'")
+    dev = next(target.parameters()).device
+    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    ctx_len = context_length(target)
+    ctx = Context(
+        target=target, drafter=drafter, k=k,
+        stop_ids=torch.tensor(stops, dtype=torch.long, device=dev),
+        hooks=tuple(hooks), stats=Stats(),
+        max_position=(ctx_len - 1) if ctx_len else 2**31 - 1, strategy=strategy,
+    )
+    if hasattr(drafter, "bind"):
+        drafter.bind(ids)
+    done: list = []
+    for start in range(0, len(ids), batch_size):
+        chunk = list(range(start, min(start + batch_size, len(ids))))
+        ctx.batch_index = start // batch_size
+        run_batch(ctx, [ids[r] for r in chunk], chunk, [max_new_tokens] * len(chunk), done)
+    return Result(sequences=collect(done, len(ids)), stats=ctx.stats)
+
+
+def collect(done: list, count: int) -> list[list[int]]:
+    """Host-side assembly of finished rows into per-prompt lists (once per call)."""
+    seqs: list = [None] * count
+    for row_ids, output, generated in done:
+        for r, out, g in zip(row_ids.tolist(), output.tolist(), generated.tolist()):
+            seqs[r] = out[:g]
+    return seqs

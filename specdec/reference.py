@@ -1,0 +1,74 @@
+"""Standard greedy decoding of the target: the ground truth for output equivalence.
+
+Batch 1, or left-padded batches (every row grows by one token per step, so no
+realignment is needed: the mask and positions simply extend). It runs through the same
+forward path as the engine (``specdec.cache.forward`` over a ``SlabCache``) with explicit
+positions and masks. Rows that finished keep being computed (their tokens are ignored),
+as in Hugging Face batched generation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cache as cache_mod
+from .batch import left_pad
+from .engine import _check_causal_lm, _to_ids
+from .models import stop_token_ids as model_stop_ids
+
+
+@torch.no_grad()
+def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
+                       tokenizer=None, return_margins=False):
+    """Greedy ids per prompt (stop token included where one ended the row).
+
+    With ``return_margins=True`` also returns, per prompt, the top-1 minus top-2 logit
+    margin of the target at every generated position (a list of floats).
+    """
+    _check_causal_lm(target, "target")
+    ids = _to_ids(prompts, tokenizer)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    dev = next(target.parameters()).device
+    stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
+    seqs, margins = [], []
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start : start + batch_size]
+        out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev)
+        seqs.extend(out)
+        margins.extend(marg)
+    return (seqs, margins) if return_margins else seqs
+
+
+def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
+    tokens, valid, positions, lengths = left_pad(prompts, device=dev)
+    b, w = tokens.shape
+    cache = cache_mod.new_cache(target, w + max_new_tokens + 1)
+    logits = cache_mod.forward(target, tokens, positions, valid, cache)[:, -1]
+    mask = valid
+    pos = lengths.clone()
+    outs, margs = [], []
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    for _ in range(max_new_tokens):
+        top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else logits[:, :1].repeat(1, 2)
+        nxt = logits.argmax(dim=-1)
+        outs.append(nxt)
+        margs.append(top2[:, 0] - top2[:, 1])
+        alive = alive & ~torch.isin(nxt, stop_t)
+        if not bool(alive.any()) or len(outs) == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+        logits = cache_mod.forward(target, nxt[:, None], pos[:, None], mask, cache)[:, -1]
+        pos = pos + 1
+    out = torch.stack(outs, dim=1).tolist()
+    marg = torch.stack(margs, dim=1).tolist()
+    stop_set = set(stop_t.tolist())
+    seqs, margins = [], []
+    for row, mrow in zip(out, marg):  # host-side trimming of the final result
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+        seqs.append(row[:cut])
+        margins.append(mrow[:cut])
+    return seqs, margins

@@ -1,0 +1,64 @@
+"""EQSPEC realignment: after every verify step, gather each row's kept tokens so that rows
+are right-aligned again at the new minimal width.
+
+Layout before (``W`` slots, row b with ``n`` real tokens and ``m`` committed this step):
+tokens extended by the ``k + 1`` predictions (width ``W + k + 1``), cache extended by the
+verify forward (width ``W + k``). After: width ``W' = max(n + m)`` over the rows that stay,
+row b right-aligned with ``n + m`` real tokens, cache width ``W' - 1``. The index plan is
+``specdec.layout`` (the single source proved in ``proofs/``); this module only applies it:
+one gather for tokens, one gather per cache (all layers at once), no loop over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..batch import PAD_FILL, RaggedBatch
+
+
+def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_width: int,
+         k: int):
+    """The realignment plan for the rows that stay.
+
+    lengths, committed: [B'] long (kept rows)
+    Returns (src_tokens [B', W'] long, src_cache [B', W'-1] long, valid [B', W'] bool,
+    positions [B', W'] long).
+    """
+    dev = lengths.device
+    n_new = layout.new_length(lengths, committed)[:, None]
+    pad = layout.new_padding(new_width, n_new)
+    shift = layout.source_shift(old_width, new_width, committed[:, None])
+    j = torch.arange(new_width, device=dev)[None, :]
+    src_tokens = layout.source_slot(layout.TORCH, j, pad, shift, old_width + k + 1)
+    cw = layout.cache_width(new_width)
+    src_cache = layout.source_slot(layout.TORCH, j[:, :cw], pad, shift, old_width + k)
+    valid = layout.slot_valid(j, pad)
+    positions = layout.slot_position(layout.TORCH, j, pad)
+    return src_tokens, src_cache, valid.expand(-1, new_width), positions
+
+
+def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
+            rows: torch.Tensor, new_width: int, k: int) -> RaggedBatch:
+    """Keep ``rows`` (indices of unfinished rows) and right-align them at ``new_width``.
+
+    predictions: [B, k+1] long; committed: [B] long; rows: [B'] long.
+    Mutates the caches in place and returns the new batch.
+    """
+    sel = lambda t: t.index_select(0, rows)  # noqa: E731
+    lengths, m = sel(batch.lengths), sel(committed)
+    src_tokens, src_cache, valid, positions = plan(lengths, m, batch.width, new_width, k)
+    ext = torch.cat([sel(batch.tokens), sel(predictions)], dim=1)
+    tokens = torch.where(valid, ext.gather(1, src_tokens), PAD_FILL)
+    all_rows = rows.numel() == batch.batch_size
+    batch.target_cache.gather_slots(src_cache, None if all_rows else rows)
+    if batch.draft_cache is not None:
+        batch.draft_cache.gather_slots(src_cache, None if all_rows else rows)
+    return RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions,
+        lengths=layout.new_length(lengths, m),
+        prompt_lengths=sel(batch.prompt_lengths), budgets=sel(batch.budgets),
+        generated=sel(batch.generated), finished=sel(batch.finished),
+        row_ids=sel(batch.row_ids), output=sel(batch.output),
+        target_cache=batch.target_cache, draft_cache=batch.draft_cache,
+    )
