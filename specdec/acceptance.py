@@ -6,12 +6,16 @@ Layout: a verify forward over ``pending ++ d_1 .. d_k`` gives target predictions
 (accepted drafts equal the predictions, and ``y_a`` is the correction, or the bonus when
 ``a = k``), cut after the first stop token and at the row's remaining budget. So
 ``1 <= committed <= k + 1`` for every row with budget left.
-All functions are tensor ops over the batch (no loop over rows, no host sync).
+All functions are tensor ops over the batch (no loop over rows, no host sync); the
+formulas are ``specdec.layout.accepted_from_matches`` and ``committed_from_accepted``
+(proved in ``proofs/acceptance.py``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import layout
 
 
 def accepted_count(drafts: torch.Tensor, predictions: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
@@ -23,11 +27,9 @@ def accepted_count(drafts: torch.Tensor, predictions: torch.Tensor, limit: torch
     Returns [B] long in [0, limit].
     """
     k = drafts.shape[1]
-    if k == 0:
-        return torch.zeros(drafts.shape[0], dtype=torch.long, device=drafts.device)
     idx = torch.arange(k, device=drafts.device)[None, :]
-    match = (drafts == predictions[:, :k]) & (idx < limit[:, None])
-    return torch.cumprod(match.long(), dim=1).sum(dim=1)
+    match = drafts == predictions[:, :k]
+    return layout.accepted_from_matches(layout.TORCH, match, idx, limit[:, None])[:, 0]
 
 
 def committed_count(predictions: torch.Tensor, accepted: torch.Tensor, remaining: torch.Tensor,
@@ -42,13 +44,10 @@ def committed_count(predictions: torch.Tensor, accepted: torch.Tensor, remaining
     """
     kp1 = predictions.shape[1]
     idx = torch.arange(kp1, device=predictions.device)[None, :]
-    upto = torch.minimum(accepted + 1, remaining)  # before stop tokens
-    in_range = idx < upto[:, None]
     if stop_ids.numel():
-        is_stop = torch.isin(predictions, stop_ids) & in_range
+        is_stop = torch.isin(predictions, stop_ids)
     else:
-        is_stop = torch.zeros_like(in_range)
-    stopped = is_stop.any(dim=1)
-    first_stop = torch.argmax(is_stop.long(), dim=1)
-    committed = torch.where(stopped, first_stop + 1, upto)
-    return committed, stopped
+        is_stop = torch.zeros_like(predictions, dtype=torch.bool)
+    committed, stopped = layout.committed_from_accepted(
+        layout.TORCH, is_stop, idx, accepted[:, None], remaining[:, None])
+    return committed[:, 0], stopped[:, 0]

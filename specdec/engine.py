@@ -204,8 +204,9 @@ def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets:
         target_cache=cache_mod.new_cache(ctx.target, capacity),
     )
     record = None
-    if w > 1:
-        ids, pos, mask = tokens[:, : w - 1], positions[:, : w - 1], valid[:, : w - 1]
+    cw = layout.cache_width(w)
+    if cw > 0:
+        ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
         cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache)
         record = ForwardRecord(ids, pos, mask, 0)
     ctx.drafter.prefill(batch)
@@ -240,10 +241,11 @@ def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
 
     # -- verify: one forward over pending ++ drafts, explicit positions and mask ----------
     t = time.perf_counter()
-    inputs = torch.cat([batch.tokens[:, w - 1 :], drafts], dim=1)
+    cw = layout.cache_width(w)  # slots 0 .. cw-1 are cached; the pending token is slot cw
+    inputs = torch.cat([batch.tokens[:, cw:], drafts], dim=1)
     i = torch.arange(k + 1, device=dev)[None, :]
     positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
-    mask = torch.cat([batch.valid[:, : w - 1], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
+    mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
     cache_before = batch.target_cache.width
     logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache)
     predictions = logits.argmax(dim=-1)
@@ -260,15 +262,15 @@ def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
     written = torch.where(i < committed[:, None], predictions, 0)
     batch.output = batch.output.scatter(1, cols, written)
     batch.generated = before + committed
-    batch.finished = batch.finished | stopped | (batch.generated >= batch.budgets)
+    batch.finished = layout.row_finished(batch.finished, stopped, batch.generated, batch.budgets)
     t = _timed(ctx, "commit", t)
     emit(ctx, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
 
     # -- the one host sync of the step: finished rows and the new width ------------------
     t = time.perf_counter()
-    n_new = torch.where(batch.finished, 0, batch.lengths + committed)
-    host = torch.cat([batch.finished.long(), n_new.max()[None], limit.sum()[None],
+    width_new = layout.new_width(layout.TORCH, batch.lengths, committed, ~batch.finished)
+    host = torch.cat([batch.finished.long(), width_new[None], limit.sum()[None],
                       accepted.sum()[None], committed.sum()[None]]).tolist()
     finished, new_width = host[:b], host[b]
     st = ctx.stats

@@ -20,14 +20,23 @@ tokens in extended slots ``W - n .. W + m - 1``; those committed tokens equal
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class Ops(Protocol):
-    """What the index math needs from a backend: a conditional and a clamp."""
+    """What the index math needs from a backend.
+
+    Element-wise: ``where``, ``clamp``, ``minimum``. Reductions over one axis (``dim``),
+    torch semantics (``keepdim`` keeps the axis with size 1): ``amax``, ``amin``, ``any``.
+    Arithmetic and comparisons are the operands' own operators (``+ - * >= < & ~``).
+    """
 
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
     def clamp(self, x: Any, lo: Any, hi: Any) -> Any: ...
+    def minimum(self, a: Any, b: Any) -> Any: ...
+    def amax(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
+    def amin(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
+    def any(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
 
 
 class _TorchOps:
@@ -40,6 +49,26 @@ class _TorchOps:
         import torch
 
         return torch.clamp(x, min=lo, max=hi)
+
+    def minimum(self, a, b):
+        import torch
+
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+
+    def amax(self, x, dim, keepdim=False):
+        import torch
+
+        return torch.amax(x, dim=dim, keepdim=keepdim)
+
+    def amin(self, x, dim, keepdim=False):
+        import torch
+
+        return torch.amin(x, dim=dim, keepdim=keepdim)
+
+    def any(self, x, dim, keepdim=False):
+        import torch
+
+        return torch.any(x, dim=dim, keepdim=keepdim)
 
 
 TORCH: Ops = _TorchOps()
@@ -100,6 +129,60 @@ def cache_width(width):
     return width - 1
 
 
+def ext_token_width(width, k):
+    """Token width of the extended row after a verify step: old slots, then ``y_0 .. y_k``."""
+    return width + k + 1
+
+
+def ext_cache_width(width, k):
+    """Cache width after the verify forward: old cached slots, then pending, ``d_1 .. d_k``."""
+    return width + k
+
+
+def cache_source_shift(ops: Ops, old_width, new_width, committed):
+    """Shift of the cache gather (the cache crop of a row).
+
+    The extended cache holds, at slot ``s < W + k``, the KV of the token at extended token
+    slot ``s`` (old tokens, pending, then the drafts, of which the accepted ones equal
+    ``y_0 .. y_{m-2}``). So the cache keeps each row's own ``m - 1`` newly computed slots
+    (the new pending token, slot ``W + m - 1``, is not computed yet) by using the tokens'
+    shift row by row; ``ops`` is there for mutants that reduce over rows.
+    """
+    return source_shift(old_width, new_width, committed)
+
+
+def new_width(ops: Ops, n, committed, keep):
+    """Width after realignment: the longest row that stays (0 when none stays).
+
+    n, committed, keep: [B] (or [B, 1]); reduces over dim 0. Rows that finished (``keep``
+    false) leave the batch and do not count, so the minimum padding is 0 (I2).
+    """
+    return ops.amax(ops.where(keep, new_length(n, committed), 0 * n), dim=0)
+
+
+class RealignPlan(NamedTuple):
+    """Per (row, destination slot) plan of one realignment; every field broadcasts to
+    ``[B, W']`` (torch) or is a z3 term (proofs)."""
+
+    pad: Any         # new left padding of the row
+    valid: Any       # valid[b, j] after realignment
+    positions: Any   # position id of slot j
+    src_tokens: Any  # extended token slot that destination slot j reads
+    src_cache: Any   # extended cache slot that destination cache slot j reads (j < W' - 1)
+
+
+def realign_plan(ops: Ops, j, n, committed, old_width, new_width, k) -> RealignPlan:
+    """The EQSPEC realignment of rows of ``n`` tokens (old width ``old_width``) that commit
+    ``committed`` tokens after a verify step with ``k`` drafts, to width ``new_width``."""
+    n_new = new_length(n, committed)
+    pad = new_padding(new_width, n_new)
+    src_tokens = source_slot(ops, j, pad, source_shift(old_width, new_width, committed),
+                             ext_token_width(old_width, k))
+    src_cache = source_slot(ops, j, pad, cache_source_shift(ops, old_width, new_width, committed),
+                            ext_cache_width(old_width, k))
+    return RealignPlan(pad, slot_valid(j, pad), slot_position(ops, j, pad), src_tokens, src_cache)
+
+
 # ---------------------------------------------------------------------------------------
 # Verify step: where the pending token and the drafts sit.
 # ---------------------------------------------------------------------------------------
@@ -113,3 +196,40 @@ def draft_limit(ops: Ops, k, remaining):
     """Drafts a row may use: ``min(k, remaining - 1)`` (the last budgeted token is always
     the target's own), never below 0."""
     return ops.clamp(remaining - 1, 0, k)
+
+
+# ---------------------------------------------------------------------------------------
+# Greedy acceptance (see specdec/acceptance.py for the layout of drafts and predictions).
+# ---------------------------------------------------------------------------------------
+
+def accepted_from_matches(ops: Ops, match, i, limit):
+    """Accepted drafts per row: the first draft index that fails to match or reaches the
+    row's limit (``limit`` when every usable draft matches).
+
+    match: [B, k] bool, ``d_{i+1} == y_i``; i: [1, k] draft index ``0 .. k-1``;
+    limit: [B, 1] in ``[0, k]``. Returns [B, 1] in ``[0, limit]``.
+    """
+    if match.shape[-1] == 0:  # no drafts: nothing to accept
+        return 0 * limit
+    ok = match & (i < limit)
+    return ops.amin(ops.where(ok, limit, i), dim=1, keepdim=True)
+
+
+def committed_from_accepted(ops: Ops, is_stop, i, accepted, remaining):
+    """Tokens committed per row, and whether the row stopped on a stop token.
+
+    is_stop: [B, k+1] bool, ``y_i`` is a stop token; i: [1, k+1] index ``0 .. k``;
+    accepted, remaining: [B, 1] (remaining >= 1). The row commits ``y_0 .. y_accepted``
+    cut at its remaining budget and after its first stop token.
+    Returns (committed [B, 1] in ``[1, k+1]``, stopped [B, 1] bool).
+    """
+    upto = ops.minimum(accepted + 1, remaining)
+    stop_in = is_stop & (i < upto)
+    committed = ops.amin(ops.where(stop_in, i + 1, upto), dim=1, keepdim=True)
+    return committed, ops.any(stop_in, dim=1, keepdim=True)
+
+
+def row_finished(finished, stopped, generated, budgets):
+    """A row leaves the batch once it stopped or spent its budget (it stays only with
+    ``generated < budgets``, so every row in a step has ``remaining >= 1``)."""
+    return finished | stopped | (generated >= budgets)

@@ -25,17 +25,13 @@ def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_wid
     Returns (src_tokens [B', W'] long, src_cache [B', W'-1] long, valid [B', W'] bool,
     positions [B', W'] long).
     """
-    dev = lengths.device
-    n_new = layout.new_length(lengths, committed)[:, None]
-    pad = layout.new_padding(new_width, n_new)
-    shift = layout.source_shift(old_width, new_width, committed[:, None])
-    j = torch.arange(new_width, device=dev)[None, :]
-    src_tokens = layout.source_slot(layout.TORCH, j, pad, shift, old_width + k + 1)
+    j = torch.arange(new_width, device=lengths.device)[None, :]
+    p = layout.realign_plan(layout.TORCH, j, lengths[:, None], committed[:, None], old_width,
+                            new_width, k)
+    shape = (lengths.shape[0], new_width)
     cw = layout.cache_width(new_width)
-    src_cache = layout.source_slot(layout.TORCH, j[:, :cw], pad, shift, old_width + k)
-    valid = layout.slot_valid(j, pad)
-    positions = layout.slot_position(layout.TORCH, j, pad)
-    return src_tokens, src_cache, valid.expand(-1, new_width), positions
+    return (p.src_tokens.expand(shape), p.src_cache.expand(shape)[:, :cw],
+            p.valid.expand(shape), p.positions.expand(shape))
 
 
 def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
