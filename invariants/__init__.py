@@ -1,8 +1,40 @@
 """invariants: checks that a batched (speculative) decoding loop keeps its tensors aligned.
 
 This package never imports ``specdec``: any engine builds a ``StepView`` and calls hooks.
+
+Public names: ``Monitor`` (a step hook checking I1-I7), ``guard_model`` (checks every
+forward of a Hugging Face causal LM), ``InvariantViolation`` (the counterexample trace),
+``compare_outputs`` (the output-equivalence oracle), ``StepView``/``ForwardRecord`` (what
+an engine hands over).
+
+Names are resolved lazily (PEP 562): ``import invariants`` stays cheap (no torch import),
+which the pytest plugin relies on, since pytest loads it for every session.
 """
 
-from .view import PHASES, PROFILES, ForwardRecord, StepView
+from __future__ import annotations
 
-__all__ = ["StepView", "ForwardRecord", "PHASES", "PROFILES"]
+import importlib
+
+_EXPORTS = {
+    "StepView": "view", "ForwardRecord": "view", "PHASES": "view", "PROFILES": "view",
+    "Monitor": "monitor", "MODES": "monitor",
+    "guard_model": "guard", "Guard": "guard",
+    "InvariantViolation": "trace", "TRACE_VERSION": "trace",
+    "compare_outputs": "equivalence", "Comparison": "equivalence",
+    "RowComparison": "equivalence", "DEFAULT_TOLERANCE": "equivalence",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'invariants' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,443 @@
+"""``Monitor``: a step hook that checks I1-I7 after every phase of a decoding engine.
+
+Use it as a hook: ``specdec.generate(..., hooks=[monitor])``; any engine that calls
+``hook(phase, view)`` with a ``StepView`` works.
+
+Modes (``MODES``):
+
+- ``off``: does nothing.
+- ``fast``: the cheap invariants (I1-I4, I6) run as tensor ops on the view's device; each
+  phase reduces them to a few flags kept on the device. Nothing is read back until
+  ``check()`` (also ``finish()``, the end of a ``with monitor:`` block, or the next run's
+  prefill), which performs the one host sync of the run and raises the first violation.
+  The engine only calls hooks and cannot tell the monitor that it finished, so call
+  ``check()`` after ``generate`` returns, or use the context manager::
+
+      with invariants.Monitor("fast") as m:
+          specdec.generate(model, prompts, hooks=[m])   # raises at the end of the block
+
+- ``strict``: the same checks, one host read per phase; raises ``InvariantViolation`` at
+  the failing phase, inside the engine.
+- ``deep``: strict plus I5 (each row's K/V recomputed by a clean batch-1 prefill, compared
+  with allclose at every valid cache slot, at the prefill, verify and realign phases;
+  tolerances ``predicates.KV_TOLERANCE`` unless ``kv_atol``/``kv_rtol`` are given) and I7
+  (after every commit, each row's output so far must be a prefix of the target's batch-1
+  greedy reference, computed here; a divergence whose reference margin is a near-tie
+  within ``near_tie_tolerance`` is recorded in ``near_ties`` and ends the comparison of
+  that row instead of raising).
+
+``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
+(forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
+of every step are kept (``accepted_history``), and the ``run`` dict given at construction
+is attached to every trace so that the run can be replayed.
+
+A new run starts at a ``prefill`` view with ``step == 0`` and ``info["batch_index"]`` 0
+(or absent): the monitor then finishes the previous run (fast mode: its pending flags are
+read, and a violation raises there) and resets its per-run state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from . import predicates as P
+from .equivalence import DEFAULT_TOLERANCE, first_divergence
+from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
+from .view import PHASES, StepView
+
+MODES = ("off", "fast", "strict", "deep")
+#: phases at which deep mode recomputes the KV cache (draft and commit see the same cache)
+KV_PHASES = ("prefill", "verify", "realign")
+
+
+@dataclass
+class _Pending:
+    """One phase checked in fast mode: the flags stay on the device until ``check``."""
+
+    view: StepView
+    keys: list  # [(invariant, rule)]
+    masks: torch.Tensor  # [P, B] bool
+    flags: torch.Tensor  # [P] bool
+    prev: object
+    prompts: object
+    history_len: int
+
+
+class Monitor:
+    def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
+                 run: dict | None = None, invariants=None, kv_atol: float | None = None,
+                 kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
+                 max_violations: int = 100):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        chosen = tuple(P.INVARIANTS if invariants is None else invariants)
+        unknown = [i for i in chosen if i not in P.INVARIANTS]
+        if unknown:
+            raise ValueError(f"unknown invariants {unknown}; expected a subset of {P.INVARIANTS}")
+        run = dict(run or {})
+        try:
+            json.dumps(run)
+        except TypeError as e:
+            raise TypeError(f"run must be JSON-serialisable (it goes into traces): {e}") from None
+        self.mode = mode
+        self.raise_on_violation = raise_on_violation
+        self.run = run
+        self.invariants = chosen
+        self.kv_atol, self.kv_rtol = kv_atol, kv_rtol
+        self.near_tie_tolerance = near_tie_tolerance
+        self.max_violations = max_violations
+        self.violations: list[InvariantViolation] = []
+        self.near_ties: list[dict] = []
+        self.calls = 0
+        self.runs = 0
+        self._reported = 0
+        self._reset_run()
+
+    # -- per-run state -------------------------------------------------------------------
+    def _reset_run(self) -> None:
+        self._prev: P.Snapshot | None = None
+        self._prompts: P.Prompts | None = None
+        self._stops: dict = {}
+        self._history: list = []  # (step, row_ids, accepted), device tensors
+        self._pending: list[_Pending] = []
+        self._refs: dict = {}  # deep I7: request id -> (ids, margins)
+        self._diverged: set = set()
+
+    @property
+    def accepted_history(self) -> list[dict]:
+        """Per step: {"step", "row_ids", "accepted"} (host lists; reading syncs once)."""
+        return _history_host(self._history)
+
+    # -- the hook --------------------------------------------------------------------------
+    def __call__(self, phase: str, view: StepView) -> None:
+        if self.mode == "off":
+            return
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        if phase == "prefill" and view.step == 0 and not view.info.get("batch_index", 0) \
+                and self.calls:
+            self._end_run()
+        self.calls += 1
+        keys, masks = self._cheap(view)
+        if masks is not None:
+            if self.mode == "fast":
+                self._pending.append(_Pending(view, keys, masks, masks.any(dim=1), self._prev,
+                                              self._prompts, len(self._history)))
+            else:
+                flags = masks.any(dim=1).tolist()  # the one host read of the phase
+                if any(flags):
+                    self._report(view, keys, masks, flags, self._prev, self._prompts,
+                                 len(self._history))
+        if self.mode == "deep":
+            self._deep(view)
+        self._advance(view)
+
+    def _cheap(self, view: StepView):
+        """(keys, [P, B] masks) of the cheap invariants chosen (tensor ops only)."""
+        keys, masks = [], []
+        dev_key = (view.stop_token_ids, view.device)
+        if dev_key not in self._stops:  # one small host->device copy per run
+            self._stops[dev_key] = P.stop_tensor(view)
+        groups = []
+        if "I1" in self.invariants:
+            groups.append(("I1", P.i1_rules(view)))
+        i1_ok_shape = tuple(view.valid.shape) == tuple(view.tokens.shape) == \
+            tuple(view.positions.shape)
+        if i1_ok_shape:  # later invariants index [B, W] tensors together
+            if "I2" in self.invariants:
+                groups.append(("I2", P.i2_rules(view)))
+            if "I3" in self.invariants:
+                groups.append(("I3", P.i3_rules(view)))
+            if "I4" in self.invariants:
+                groups.append(("I4", P.i4_rules(view)))
+            if "I6" in self.invariants:
+                groups.append(("I6", P.i6_rules(view, stops=self._stops[dev_key],
+                                                prev=self._prev, prompts=self._prompts)))
+        for inv, rules in groups:
+            for rule, mask in rules.items():
+                keys.append((inv, rule))
+                masks.append(mask)
+        if not masks:
+            return keys, None
+        return keys, torch.stack(masks)
+
+    def _advance(self, view: StepView) -> None:
+        """Update the per-run state after the checks of a phase."""
+        if view.phase == "prefill":
+            self._prompts = P.Prompts.of(view)
+            self._prev = P.Snapshot.of(view)
+        elif view.phase == "commit":
+            self._prev = P.Snapshot.of(view)
+            if view.accepted is not None:
+                self._history.append((view.step, view.row_ids, view.accepted))
+
+    # -- deep checks -----------------------------------------------------------------------
+    def _deep(self, view: StepView) -> None:
+        if "I5" in self.invariants and view.phase in KV_PHASES:
+            mask, slots = P.kv_mismatches(view, atol=self.kv_atol, rtol=self.kv_rtol)
+            rows = [b for b, s in enumerate(slots) if s]
+            if rows:
+                a, r = P.kv_tolerance(_cache_dtype(view), self.kv_atol, self.kv_rtol)
+                rule = (f"cached K/V at every valid slot equals a clean batch-1 prefill of the "
+                        f"row's real tokens (allclose atol={a:g}, rtol={r:g})")
+                self._emit(self._build(view, "I5", rows, [slots[b] for b in rows], [rule],
+                                       prev=self._prev, prompts=self._prompts,
+                                       history_len=len(self._history)))
+        if "I7" in self.invariants and view.phase == "commit" and view.model is not None:
+            self._check_reference(view)
+
+    def _check_reference(self, view: StepView) -> None:
+        ids = view.row_ids.tolist()
+        gen = view.generated.tolist()
+        fin = view.finished.tolist()
+        budgets = view.budgets.tolist()
+        out = view.output.tolist()
+        prompts = self._prompt_lists(view)
+        bad_rows, slots, rules = [], [], []
+        for b, rid in enumerate(ids):
+            if rid in self._diverged or prompts[b] is None:
+                continue
+            if rid not in self._refs:
+                from ._hf import greedy_reference
+
+                self._refs[rid] = greedy_reference(view.model, prompts[b], budgets[b],
+                                                   view.stop_token_ids)
+            ref, margins = self._refs[rid]
+            o = out[b][: gen[b]]
+            d = first_divergence(o, ref if fin[b] else ref[: len(o)])
+            if d is None:
+                continue
+            expected = ref[d] if d < len(ref) else None
+            actual = o[d] if d < len(o) else None
+            margin = margins[d] if d < len(margins) else None
+            if (expected is not None and actual is not None and margin is not None
+                    and margin <= self.near_tie_tolerance):
+                self._diverged.add(rid)
+                self.near_ties.append({"step": view.step, "row": b, "row_id": rid, "index": d,
+                                       "engine": actual, "reference": expected, "margin": margin})
+                continue
+            bad_rows.append(b)
+            slots.append([d])
+            m = "n/a" if margin is None else f"{margin:.3g}"
+            rules.append(f"row {b}: output equals the batch-1 greedy reference; first divergence "
+                         f"at output index {d}: engine {actual}, reference {expected}, reference "
+                         f"top-2 margin {m} > tolerance {self.near_tie_tolerance:g} (desync)")
+        if bad_rows:
+            self._diverged.update(ids[b] for b in bad_rows)
+            self._emit(self._build(view, "I7", bad_rows, slots, rules, prev=self._prev,
+                                   prompts=self._prompts, history_len=len(self._history)))
+
+    def _prompt_lists(self, view: StepView) -> list:
+        if self._prompts is None:
+            return [None] * view.batch_size
+        idx, found = P.match_rows(view.row_ids, self._prompts.row_ids)
+        toks = self._prompts.tokens.index_select(0, idx).tolist()
+        lens = view.prompt_lengths.tolist()
+        return [t[:n] if f else None for t, n, f in zip(toks, lens, found.tolist())]
+
+    # -- reporting -----------------------------------------------------------------------
+    def _report(self, view, keys, masks, flags, prev, prompts, history_len) -> None:
+        """Build the violation of the first failing invariant of a phase (host side)."""
+        failing = [i for i, f in enumerate(flags) if f]
+        first_inv = keys[failing[0]][0]
+        mine = [i for i in failing if keys[i][0] == first_inv]
+        rows_mask = masks[mine].any(dim=0).tolist()
+        rows = [b for b, x in enumerate(rows_mask) if x]
+        rules = [keys[i][1] for i in mine]
+        also = sorted({keys[i][0] for i in failing} - {first_inv})
+        slots = _slots(view, first_inv, rules, rows, prev, prompts, self._stops)
+        self._emit(self._build(view, first_inv, rows, slots, rules, also=also, prev=prev,
+                               prompts=prompts, history_len=history_len))
+
+    def _build(self, view, inv, rows, slots, rules, *, also=(), prev=None, prompts=None,
+               history_len=None) -> InvariantViolation:
+        hist = _history_host(self._history[:history_len])
+        columns, grid = _grid(view, inv, rules, rows, slots)
+        sel = lambda t: None if t is None else [t.tolist()[b] for b in rows]  # noqa: E731
+        state = {
+            "lengths": sel(view.lengths), "prompt_lengths": sel(view.prompt_lengths),
+            "generated": sel(view.generated), "budgets": sel(view.budgets),
+            "finished": sel(view.finished), "accepted": sel(view.accepted),
+            "committed": sel(view.committed), "generated_before": sel(view.generated_before),
+            "draft_limit": sel(view.draft_limit), "drafts": sel(view.drafts),
+            "predictions": sel(view.predictions),
+            "cache_widths": list(view.cache_widths),
+            "expected_cache_width": view.expected_cache_width(),
+            "draft_cache_widths": list(view.draft_cache_widths),
+        }
+        trace = make_trace(
+            invariant=inv, step=view.step, phase=view.phase, rows=rows,
+            row_ids=[view.row_ids.tolist()[b] for b in rows], slots=slots, rules=rules,
+            columns=columns, grid=grid, accepted_history=hist, profile=view.profile, k=view.k,
+            width=view.width, state={k: v for k, v in state.items() if v is not None},
+            info=view.info, run=self.run, also=also, source="monitor")
+        return InvariantViolation(trace)
+
+    def _emit(self, violation: InvariantViolation) -> None:
+        if len(self.violations) < self.max_violations:
+            self.violations.append(violation)
+        if self.raise_on_violation:
+            self._reported = len(self.violations)
+            raise violation
+
+    # -- the end of a run ------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Fast mode: read every pending flag in one host transfer and report failures."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flat = torch.cat([p.flags for p in pending]).tolist()  # the one sync of the run
+        at = 0
+        for p in pending:
+            flags = flat[at : at + len(p.keys)]
+            at += len(p.keys)
+            if any(flags):
+                self._report(p.view, p.keys, p.masks, flags, p.prev, p.prompts, p.history_len)
+                if len(self.violations) >= self.max_violations:
+                    return
+
+    def check(self) -> list[InvariantViolation]:
+        """Finish the pending checks (fast mode: one host sync) and raise the first
+        violation not raised yet; with ``raise_on_violation=False`` return them all."""
+        if self.raise_on_violation:
+            try:
+                self._flush()
+            finally:
+                self._pending = []
+            if self._reported < len(self.violations):  # pragma: no cover - _emit raises
+                v = self.violations[self._reported]
+                self._reported = len(self.violations)
+                raise v
+        else:
+            self._flush()
+        return list(self.violations)
+
+    finish = check
+
+    def _end_run(self) -> None:
+        try:
+            self.check()
+        finally:
+            self.runs += 1
+            self._reset_run()
+
+    def reset(self) -> None:
+        """Forget violations, near-ties and the run state (keeps the configuration)."""
+        self.violations, self.near_ties = [], []
+        self.calls = self.runs = self._reported = 0
+        self._reset_run()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.check()
+
+    def __repr__(self) -> str:
+        return (f"Monitor(mode={self.mode!r}, calls={self.calls}, "
+                f"violations={len(self.violations)})")
+
+
+# ---------------------------------------------------------------------------------------
+# Host-side helpers for traces (run only when a violation exists)
+# ---------------------------------------------------------------------------------------
+
+def _history_host(history) -> list[dict]:
+    return [{"step": int(s), "row_ids": r.tolist(), "accepted": a.tolist()}
+            for s, r, a in history]
+
+
+def _cache_dtype(view: StepView):
+    try:
+        return view.cache_tensors()[0][0].dtype
+    except Exception:
+        return torch.float32
+
+
+def _rows_of(mask, rows):
+    host = mask.tolist()
+    return [[j for j, x in enumerate(host[b]) if x] for b in rows]
+
+
+def _slots(view, inv, rules, rows, prev, prompts, stops) -> list[list[int]]:
+    """Offending slots per row (see the module docstring of ``trace``)."""
+    empty = [[] for _ in rows]
+    try:
+        if inv == "I2":
+            return _rows_of(P.layout_slots(view), rows)
+        if inv == "I3":
+            if any(r.startswith("at every valid slot") for r in rules):
+                return _rows_of(P.position_slots(view.valid, view.positions), rows)
+            fs = P.forward_slots(view)
+            if fs is not None:
+                c = view.forward.cache_width
+                return [[c + j for j in s] for s in _rows_of(fs, rows)]
+        if inv == "I4":
+            ms = P.mask_slots(view)
+            if ms is not None:
+                return _rows_of(ms, rows)
+        if inv == "I6":
+            seq = P.sequence_slots(view, prompts) if view.phase != "prefill" else None
+            if seq is not None and any(r.startswith("the row's real tokens") for r in rules):
+                return _rows_of(seq, rows)
+            stop = next(iter(stops.values()), None)
+            return _rows_of(P.output_slots(view, stop), rows)
+    except Exception:  # slots are an aid; a malformed view must still give a trace
+        return empty
+    return empty
+
+
+def _grid(view, inv, rules, rows, slots):
+    """(columns, grid entries) for the first ``MAX_GRID_ROWS`` offending rows."""
+    shown = list(zip(rows, slots))[:MAX_GRID_ROWS]
+    if not shown:
+        return [], []
+    ids = view.row_ids.tolist()
+    forward_cols = inv == "I4" or (inv == "I3" and not any(
+        r.startswith("at every valid slot") for r in rules))
+    try:
+        if forward_cols and view.forward is not None:
+            f = view.forward
+            mask = f.attention_mask.bool().tolist()
+            pos = f.positions.expand(view.batch_size, -1).tolist() \
+                if f.positions.shape[0] == 1 else f.positions.tolist()
+            want = P.valid_before(f.attention_mask.bool()).tolist()
+            _, valid_ext = P._extended(view)
+            vext = valid_ext.tolist()
+            c = f.cache_width
+            width = len(mask[0])
+            columns = grid_window(width, shown[0][1])
+            grid = []
+            for b, s in shown:
+                newpos = [None] * c + pos[b]
+                grid.append(grid_row(f"row {b} (req {ids[b]})", {
+                    "mask": ["#" if x else "." for x in mask[b]],
+                    "valid": ["#" if x else "." for x in vext[b][:width]],
+                    "pos": newpos,
+                    "want": [w if (j >= c and mask[b][j]) else None for j, w in enumerate(want[b])],
+                }, s, columns))
+            return columns, grid
+        valid = view.valid.bool().tolist()
+        pos = view.positions.tolist()
+        slot_cols = inv in ("I2", "I3", "I5") or any(r.startswith("the row's real tokens")
+                                                     for r in rules)
+        columns = grid_window(view.width, shown[0][1] if slot_cols else [])
+        want = P.valid_before(view.valid.bool()).tolist() if inv == "I3" else None
+        tok = view.tokens.tolist()
+        grid = []
+        for b, s in shown:
+            lines = {"valid": ["#" if x else "." for x in valid[b]],
+                     "pos": [p if v else None for p, v in zip(pos[b], valid[b])]}
+            if want is not None:
+                lines["want"] = [w if v else None for w, v in zip(want[b], valid[b])]
+            if inv in ("I6", "I7"):
+                lines["token"] = [t if v else None for t, v in zip(tok[b], valid[b])]
+            grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s if slot_cols else [],
+                                 columns))
+        return columns, grid
+    except Exception:  # the grid is an aid; never let it hide the violation
+        return [], []
