@@ -41,7 +41,8 @@ class Stats:
     drafted: int = 0  # drafts rows could use (sum of draft limits)
     accepted: int = 0
     committed: int = 0
-    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES})
+    # wall seconds per phase, plus "checks": time spent inside hooks
+    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES + ("checks",)})
     accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
 
     @property
@@ -160,6 +161,7 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
     """Build the read-only view and call every hook (nothing is built without hooks)."""
     if not ctx.hooks:
         return
+    t0 = time.perf_counter()
     tc, dc = batch.target_cache, batch.draft_cache
     lag = 0
     if dc is not None and phase in ("draft", "verify", "commit"):
@@ -176,8 +178,11 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
         draft_cache_lag=lag, model=ctx.target, cache_tensors=tc.layer_tensors,
         info={"strategy": ctx.strategy, "batch_index": ctx.batch_index}, **extra,
     )
-    for hook in ctx.hooks:
-        hook(phase, view)
+    try:
+        for hook in ctx.hooks:
+            hook(phase, view)
+    finally:
+        ctx.stats.seconds["checks"] += time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,6 +193,7 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
 def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets: list[int]) -> RaggedBatch:
     """Right-align the prompts and compute the target (and drafter) cache of all but the
     pending token of every row."""
+    t0 = time.perf_counter()
     dev = next(ctx.target.parameters()).device
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
@@ -210,6 +216,7 @@ def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets:
         cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache)
         record = ForwardRecord(ids, pos, mask, 0)
     ctx.drafter.prefill(batch)
+    _timed(ctx, "prefill", t0)
     emit(ctx, "prefill", batch, forward=record)
     return batch
 

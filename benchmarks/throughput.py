@@ -1,0 +1,217 @@
+"""Side-by-side throughput of batched standard decoding and every speculative strategy.
+
+All configurations run in one process, interleaved per batch size, so that ratios are
+measured under the same machine noise. Prints, per drafter, strategy and batch size:
+tokens/s, ratio to batched standard decoding at the same batch size, ratio to itself at
+batch 1, acceptance, share of decode time per phase (draft, verify, realign, checks) and the
+exact-match rate against batch-1 greedy decoding. Writes JSON and PNG plots to --out.
+
+    python benchmarks/throughput.py                      # real model, n-gram drafter
+    python benchmarks/throughput.py --model tiny:llama --draft-model tiny-draft:llama
+    python benchmarks/throughput.py --drafters ngram scripted:0.3 scripted:0.6 scripted:0.9 \
+        --batch-sizes 1 2 4 8 16 --strategies eqspec exspec holes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import specdec  # noqa: E402
+from specdec import drafters, engine, models, prompts  # noqa: E402
+
+
+def corrupt_for_acceptance(reference: list[list[int]], p: float, k: int, vocab: int,
+                           seed: int = 0) -> list[list[int]]:
+    """Scripts whose drafts are accepted at rate ~p: each reference token is replaced with
+    probability q, where q solves sum_{i=1..k} (1-q)^i / k = p."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        q = (lo + hi) / 2
+        rate = sum((1 - q) ** i for i in range(1, k + 1)) / k
+        lo, hi = (q, hi) if rate > p else (lo, q)
+    rng = random.Random(seed)
+    return [[(t + 1 + rng.randrange(vocab - 1)) % vocab if rng.random() < q else t for t in seq]
+            for seq in reference]
+
+
+def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
+    if spec == "ngram":
+        return drafters.NGramDrafter()
+    if spec == "model":
+        if draft_model is None:
+            raise SystemExit("--drafters model needs --draft-model")
+        return drafters.ModelDrafter(draft_model)
+    if spec.startswith("scripted:"):
+        return drafters.ScriptedDrafter(corrupt_for_acceptance(reference, float(spec.split(":")[1]), k, vocab))
+    raise SystemExit(f"unknown drafter {spec!r}: ngram, model or scripted:P")
+
+
+def phase_shares(seconds: dict) -> dict:
+    decode = {p: seconds.get(p, 0.0) for p in ("draft", "verify", "commit", "realign", "checks")}
+    total = sum(decode.values()) or 1.0
+    return {p: v / total for p, v in decode.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct; or tiny:FAMILY, a path")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--prompts", type=int, default=16, help="how many built-in prompts (default 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--strategies", nargs="+", default=["eqspec"])
+    ap.add_argument("--drafters", nargs="+", default=["ngram"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="directory for results.json and PNG plots")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target, tok = models.resolve(args.model)
+    draft_model = models.resolve(args.draft_model)[0] if args.draft_model else None
+    vocab = models.vocab_size(target)
+    chosen = prompts.builtin_prompts()[: args.prompts]
+    if tok is not None:
+        ids = prompts.encode(chosen, tok)
+    else:
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(3, vocab, (max(1, p.word_count() // 4),), generator=g).tolist() for p in chosen]
+    new = args.max_new_tokens
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    configs = [(b, None, "standard") for b in args.batch_sizes]
+    configs += [(b, d, s) for b in args.batch_sizes for d in args.drafters for s in args.strategies]
+    bar = tqdm(total=len(configs) + 1, desc="benchmark", file=sys.stderr) if tqdm else None
+
+    # warm-up: first calls pay for lazy initialisation; keep that out of every figure
+    specdec.reference_generate(target, ids[:2], max_new_tokens=4, batch_size=2)
+    for s in args.strategies:
+        engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=s, k=args.k,
+                        batch_size=2, max_new_tokens=4)
+    t0 = time.perf_counter()
+    reference = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=1)
+    ref_seconds = time.perf_counter() - t0
+    if bar:
+        bar.update(1)
+    ref_tokens = sum(len(s) for s in reference)
+    rows = []
+    for b, dspec, strategy in configs:
+        if bar:
+            bar.set_postfix_str(f"{strategy} {dspec or ''} batch {b}")
+        t0 = time.perf_counter()
+        if strategy == "standard":
+            seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=b)
+            stats = None
+        else:
+            drafter = make_drafter(dspec, reference, args.k, vocab, draft_model)
+            res = engine.generate(target, ids, drafter=drafter, strategy=strategy, k=args.k,
+                                  batch_size=b, max_new_tokens=new)
+            seqs, stats = res.sequences, res.stats
+        secs = time.perf_counter() - t0
+        n = sum(len(s) for s in seqs)
+        rows.append({
+            "strategy": strategy, "drafter": dspec, "batch_size": b, "seconds": secs,
+            "tokens": n, "tokens_per_s": n / secs,
+            "exact_match": sum(a == r for a, r in zip(seqs, reference)) / len(reference),
+            "acceptance": stats.acceptance if stats else None,
+            "steps": stats.steps if stats else None,
+            "phase_seconds": dict(stats.seconds) if stats else None,
+            "phase_shares": phase_shares(stats.seconds) if stats else None,
+            "group_rate": getattr(stats, "group_rate", None) if stats else None,
+        })
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+
+    std = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["strategy"] == "standard"}
+    own1 = {(r["strategy"], r["drafter"]): r["tokens_per_s"] for r in rows if r["batch_size"] == 1}
+    for r in rows:
+        r["vs_standard"] = r["tokens_per_s"] / std[r["batch_size"]]
+        base = own1.get((r["strategy"], r["drafter"]))
+        r["vs_own_batch1"] = r["tokens_per_s"] / base if base else None
+
+    model_name = args.model or models.DEFAULT_MODEL_NAME
+    print(f"model {model_name}, {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
+          f"{new} new tokens, k={args.k}, torch threads {torch.get_num_threads()}; "
+          f"batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s")
+    head = (f"{'strategy':<9} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'vs std':>6} {'vs b1':>6} "
+            f"{'accept':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} {'exact':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        sh = r["phase_shares"] or {}
+        fmt = lambda x, w=6: f"{x * 100:{w - 1}.1f}%" if x is not None else f"{'-':>{w}}"  # noqa: E731
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        print(f"{r['strategy']:<9} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
+              f"{r['tokens_per_s']:>7.1f} {r['vs_standard']:>6.2f} "
+              f"{(r['vs_own_batch1'] or 0):>6.2f} "
+              f"{acc:>6} "
+              f"{fmt(sh.get('draft'))} {fmt(sh.get('verify'))} {fmt(sh.get('realign'), 7)} "
+              f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}%")
+
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"model": model_name, "prompts": len(ids), "max_new_tokens": new, "k": args.k,
+                "threads": torch.get_num_threads(), "reference_tokens_per_s": ref_tokens / ref_seconds}
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        plot(rows, out)
+        print(f"wrote {out / 'results.json'}, {out / 'throughput.png'}, {out / 'phases.png'}")
+    return 0
+
+
+def plot(rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = sorted({(r["strategy"], r["drafter"]) for r in rows}, key=str)
+    for s, d in series:
+        pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if (r["strategy"], r["drafter"]) == (s, d))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s if d is None else f"{s} / {d}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Throughput vs batch size")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+
+    spec = [r for r in rows if r["phase_shares"]]
+    fig, ax = plt.subplots(figsize=(max(7, 0.45 * len(spec)), 4.5))
+    bottom = [0.0] * len(spec)
+    for phase in ("draft", "verify", "commit", "realign", "checks"):
+        vals = [r["phase_shares"][phase] for r in spec]
+        ax.bar(range(len(spec)), vals, bottom=bottom, label=phase)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.set_xticks(range(len(spec)))
+    ax.set_xticklabels([f"{r['strategy']}\n{r['drafter']}\nb{r['batch_size']}" for r in spec], fontsize=6)
+    ax.set_ylabel("share of decode time")
+    ax.set_title("Phase shares")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "phases.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
