@@ -209,7 +209,7 @@ class Guard:
         self._emit(self._build(record, inv, rows, [keys[i][1] for i in mine]))
 
     def _build(self, rec: _Forward, inv: str, rows, rules) -> InvariantViolation:
-        slots, columns, grid = [], [], []
+        slots, grid = [], []
         try:
             if rec.mask is not None and rec.positions is not None:
                 mask = rec.mask.bool()
@@ -219,9 +219,9 @@ class Guard:
                 m = mask.tolist()
                 p = pos.tolist()
                 want = valid_before(mask).tolist()
-                columns = grid_window(len(m[0]), slots[0] if slots else [])
                 c = rec.cache_len
                 for r, s in list(zip(rows, slots))[:MAX_GRID_ROWS]:
+                    columns = grid_window(len(m[0]), s)
                     grid.append(grid_row(f"row {r}", {
                         "mask": ["#" if x else "." for x in m[r]],
                         "pos": [None] * c + p[r],
@@ -230,10 +230,10 @@ class Guard:
             else:
                 slots = [[] for _ in rows]
         except Exception:  # the grid is an aid; never hide the violation behind it
-            slots, columns, grid = [[] for _ in rows], [], []
+            slots, grid = [[] for _ in rows], []
         trace = make_trace(
             invariant=inv, step=rec.index, phase="forward", rows=rows, slots=slots, rules=rules,
-            columns=columns, grid=grid, width=None, run=self.run, source="guard",
+            grid=grid, width=None, run=self.run, source="guard",
             state={"cache_length": rec.cache_len, "new_tokens": rec.q, "batch": rec.batch,
                    "positions_implicit": rec.implicit,
                    "model": type(self.model).__name__})

@@ -255,7 +255,7 @@ class Monitor:
     def _build(self, view, inv, rows, slots, rules, *, also=(), prev=None, prompts=None,
                history_len=None) -> InvariantViolation:
         hist = _history_host(self._history[:history_len])
-        columns, grid = _grid(view, inv, rules, rows, slots)
+        grid = _grid(view, inv, rules, rows, slots)
         sel = lambda t: None if t is None else [t.tolist()[b] for b in rows]  # noqa: E731
         state = {
             "lengths": sel(view.lengths), "prompt_lengths": sel(view.prompt_lengths),
@@ -271,7 +271,7 @@ class Monitor:
         trace = make_trace(
             invariant=inv, step=view.step, phase=view.phase, rows=rows,
             row_ids=[view.row_ids.tolist()[b] for b in rows], slots=slots, rules=rules,
-            columns=columns, grid=grid, accepted_history=hist, profile=view.profile, k=view.k,
+            grid=grid, accepted_history=hist, profile=view.profile, k=view.k,
             width=view.width, state={k: v for k, v in state.items() if v is not None},
             info=view.info, run=self.run, also=also, source="monitor")
         return InvariantViolation(trace)
@@ -392,10 +392,10 @@ def _slots(view, inv, rules, rows, prev, prompts, stops) -> list[list[int]]:
 
 
 def _grid(view, inv, rules, rows, slots):
-    """(columns, grid entries) for the first ``MAX_GRID_ROWS`` offending rows."""
+    """Grid entries for the first ``MAX_GRID_ROWS`` offending rows (a window each)."""
     shown = list(zip(rows, slots))[:MAX_GRID_ROWS]
     if not shown:
-        return [], []
+        return []
     ids = view.row_ids.tolist()
     forward_cols = inv == "I4" or (inv == "I3" and not any(
         r.startswith("at every valid slot") for r in rules))
@@ -410,26 +410,27 @@ def _grid(view, inv, rules, rows, slots):
             vext = valid_ext.tolist()
             c = f.cache_width
             width = len(mask[0])
-            columns = grid_window(width, shown[0][1])
             grid = []
             for b, s in shown:
-                newpos = [None] * c + pos[b]
-                grid.append(grid_row(f"row {b} (req {ids[b]})", {
-                    "mask": ["#" if x else "." for x in mask[b]],
-                    "valid": ["#" if x else "." for x in vext[b][:width]],
-                    "pos": newpos,
-                    "want": [w if (j >= c and mask[b][j]) else None for j, w in enumerate(want[b])],
-                }, s, columns))
-            return columns, grid
+                columns = grid_window(width, s)
+                lines = {"mask": ["#" if x else "." for x in mask[b]]}
+                if inv == "I4":  # the mask against the validity it stands for
+                    lines["valid"] = ["#" if x else "." for x in vext[b][:width]]
+                else:  # I3: positions of the new tokens against the mask's count
+                    lines["pos"] = [None] * c + pos[b]
+                    lines["want"] = [w if (j >= c and mask[b][j]) else None
+                                     for j, w in enumerate(want[b])]
+                grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s, columns))
+            return grid
         valid = view.valid.bool().tolist()
         pos = view.positions.tolist()
         slot_cols = inv in ("I2", "I3", "I5") or any(r.startswith("the row's real tokens")
                                                      for r in rules)
-        columns = grid_window(view.width, shown[0][1] if slot_cols else [])
         want = P.valid_before(view.valid.bool()).tolist() if inv == "I3" else None
         tok = view.tokens.tolist()
         grid = []
         for b, s in shown:
+            columns = grid_window(view.width, s if slot_cols else [])
             lines = {"valid": ["#" if x else "." for x in valid[b]],
                      "pos": [p if v else None for p, v in zip(pos[b], valid[b])]}
             if want is not None:
@@ -438,6 +439,6 @@ def _grid(view, inv, rules, rows, slots):
                 lines["token"] = [t if v else None for t, v in zip(tok[b], valid[b])]
             grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s if slot_cols else [],
                                  columns))
-        return columns, grid
+        return grid
     except Exception:  # the grid is an aid; never let it hide the violation
-        return [], []
+        return []

@@ -354,8 +354,15 @@ def _stop_mask(tokens: torch.Tensor, stops: torch.Tensor | None) -> torch.Tensor
 
 
 def stop_tensor(view: StepView) -> torch.Tensor:
-    """The view's stop ids as a device tensor (a host->device copy: cache it per run)."""
-    return torch.tensor(view.stop_token_ids, dtype=torch.long, device=view.device)
+    """The view's stop ids as a device tensor, written by fill kernels (a pageable
+    host->device copy would synchronise the stream); cache it per run."""
+    ids = [int(s) for s in view.stop_token_ids]
+    if view.device.type == "cpu":
+        return torch.tensor(ids, dtype=torch.long)
+    out = torch.empty(len(ids), dtype=torch.long, device=view.device)
+    for i, s in enumerate(ids):
+        out[i] = s
+    return out
 
 
 def consumed(view: StepView) -> torch.Tensor:

@@ -108,7 +108,7 @@ class InvariantViolation(Exception):
 
 def make_trace(*, invariant: str, step: int, phase: str, rows: Sequence[int],
                row_ids: Sequence[int] = (), slots: Sequence[Sequence[int]] = (),
-               rules: Sequence[str] = (), grid: Sequence[dict] = (), columns: Sequence[int] = (),
+               rules: Sequence[str] = (), grid: Sequence[dict] = (),
                accepted_history: Sequence[dict] = (), profile: str | None = None,
                k: int | None = None, width: int | None = None, state: dict | None = None,
                info: dict | None = None, run: dict | None = None, also: Sequence[str] = (),
@@ -129,7 +129,6 @@ def make_trace(*, invariant: str, step: int, phase: str, rows: Sequence[int],
         "slots": [[int(s) for s in ss] for ss in slots],
         "rules": list(rules),
         "also": list(also),
-        "columns": [int(c) for c in columns],
         "grid": list(grid),
         "state": dict(state or {}),
         "accepted_history": list(accepted_history),
@@ -152,14 +151,15 @@ def grid_window(width: int, bad: Sequence[int], limit: int = MAX_GRID_COLUMNS) -
 
 def grid_row(label: str, lines: dict[str, Sequence[Any]], bad: Sequence[int],
              columns: Sequence[int]) -> dict:
-    """One grid entry: ``lines`` maps a line name ("valid", "pos", "want") to a full-width
-    sequence; only ``columns`` are kept (stored as an ordered list of [name, cells]).
+    """One grid entry (one row): ``lines`` maps a line name ("valid", "pos", "want") to a
+    full-width sequence; only ``columns`` (this row's window) are kept (stored as an ordered list of [name, cells]).
     ``None`` entries draw as '.'; offending columns draw in brackets."""
     kept = []
     for name, values in lines.items():
         vals = list(values)
         kept.append([name, [None if c >= len(vals) else _cell_value(vals[c]) for c in columns]])
-    return {"label": label, "lines": kept, "bad": [int(c) for c in bad if c in set(columns)]}
+    return {"label": label, "columns": [int(c) for c in columns], "lines": kept,
+            "bad": [int(c) for c in bad if c in set(columns)]}
 
 
 def _cell_value(v):
@@ -194,7 +194,7 @@ def render(trace: dict) -> str:
         out.append(f"  failed: {rule}")
     if trace.get("also"):
         out.append(f"  also failing here: {', '.join(trace['also'])}")
-    out.extend(render_grid(trace.get("columns", []), trace.get("grid", [])))
+    out.extend(render_grid(trace.get("grid", [])))
     hist = trace.get("accepted_history", [])
     if hist:
         shown = hist[-RENDERED_HISTORY:]
@@ -206,19 +206,26 @@ def render(trace: dict) -> str:
     return "\n".join(out)
 
 
-def render_grid(columns: Sequence[int], grid: Sequence[dict]) -> list[str]:
-    if not grid or not columns:
+def render_grid(grid: Sequence[dict]) -> list[str]:
+    """Grid lines: a "slot" header (repeated only when a row's window differs from the
+    previous row's), then one line per named line of each row."""
+    grid = [g for g in grid if g.get("columns")]
+    if not grid:
         return []
-    cells = [str(c) for c in columns]
+    cells = [str(c) for g in grid for c in g["columns"]]
     for g in grid:
         for _, vals in g["lines"]:
             cells.extend(_fmt(v, False) for v in vals)
     cw = max(len(c) for c in cells) + 2
     label_w = max([len("slot")] + [len(g["label"]) + 1 + max(len(n) for n, _ in g["lines"])
                                    for g in grid])
-    lead = "…" if columns[0] > 0 else " "
-    lines = ["slot".ljust(label_w) + lead + "".join(str(c).rjust(cw) for c in columns)]
+    lines, shown = [], None
     for g in grid:
+        columns = g["columns"]
+        lead = "…" if columns[0] > 0 else " "
+        if columns != shown:
+            lines.append("slot".ljust(label_w) + lead + "".join(str(c).rjust(cw) for c in columns))
+            shown = columns
         bad = set(g.get("bad", []))
         for i, (name, vals) in enumerate(g["lines"]):
             head = (g["label"] if i == 0 else "").ljust(label_w - len(name)) + name

@@ -1,0 +1,188 @@
+"""The Monitor's modes and bookkeeping, as a specification (toy-engine views, no specdec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from invariants import InvariantViolation, Monitor
+from strategies import forbid_host_reads, toy_views
+
+torch.set_num_threads(1)
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [9], [5, 6, 7, 8, 9]]
+VIEWS = list(toy_views(PROMPTS, k=3, budget=8, seed=0))
+
+
+def shifted(view, slot=-2):
+    """The view with one position off by one in row 0 (an I3 mistake)."""
+    p = view.positions.clone()
+    p[0, slot] += 1
+    return dataclasses.replace(view, positions=p)
+
+
+def feed(monitor, views, bad=()):
+    """Call the monitor on every view, breaking I3 at the indices in ``bad``."""
+    for i, (ph, v) in enumerate(views):
+        monitor(ph, shifted(v) if i in bad else v)
+
+
+BAD = next(i for i, (ph, v) in enumerate(VIEWS) if ph == "realign")
+LATER = next(i for i, (ph, v) in enumerate(VIEWS) if ph == "realign" and i > BAD)
+
+
+def test_off_mode_checks_nothing():
+    mon = Monitor("off")
+    feed(mon, VIEWS, bad={BAD})
+    assert mon.check() == [] and mon.calls == 0
+
+
+def test_strict_raises_at_the_failing_phase():
+    mon = Monitor("strict")
+    with pytest.raises(InvariantViolation) as err:
+        feed(mon, VIEWS, bad={BAD})
+    v = err.value
+    assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[BAD][1].step)
+    assert v.rows == [0] and v.row_ids == [0]
+    assert mon.calls == BAD + 1  # nothing after the failing phase ran
+
+
+def test_fast_never_raises_inside_the_hook():
+    mon = Monitor("fast")
+    feed(mon, VIEWS, bad={BAD})  # no exception here
+    with pytest.raises(InvariantViolation) as err:
+        mon.check()
+    assert (err.value.invariant, err.value.phase) == ("I3", "realign")
+
+
+def test_fast_reports_the_first_violation_of_the_run():
+    mon = Monitor("fast")
+    feed(mon, VIEWS, bad={BAD, LATER})
+    with pytest.raises(InvariantViolation) as err:
+        mon.finish()
+    assert err.value.step == VIEWS[BAD][1].step
+
+
+def test_fast_context_manager_raises_when_the_block_ends():
+    with pytest.raises(InvariantViolation):
+        with Monitor("fast") as mon:
+            feed(mon, VIEWS, bad={BAD})
+
+
+def test_context_manager_does_not_mask_the_block_s_own_exception():
+    with pytest.raises(KeyError):
+        with Monitor("fast") as mon:
+            feed(mon, VIEWS, bad={BAD})
+            raise KeyError("engine failure")
+
+
+def test_fast_hook_reads_no_tensor_value_on_the_host():
+    mon = Monitor("fast")
+    with forbid_host_reads():
+        feed(mon, VIEWS, bad={BAD})
+    with pytest.raises(InvariantViolation):
+        mon.check()
+
+
+def test_fast_check_reads_the_flags_of_a_whole_run_in_one_transfer(monkeypatch):
+    mon = Monitor("fast")
+    feed(mon, VIEWS)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or original(t))
+    assert mon.check() == []
+    assert len(reads) == 1
+
+
+def test_recording_mode_collects_violations_without_raising():
+    mon = Monitor("strict", raise_on_violation=False)
+    feed(mon, VIEWS, bad={BAD, LATER})
+    found = mon.check()
+    assert [v.step for v in found] == [VIEWS[BAD][1].step, VIEWS[LATER][1].step]
+    assert mon.violations == found
+
+
+def test_recording_fast_mode_collects_every_failing_phase():
+    mon = Monitor("fast", raise_on_violation=False)
+    feed(mon, VIEWS, bad={BAD, LATER})
+    assert len(mon.check()) == 2
+
+
+def test_recording_is_capped():
+    mon = Monitor("strict", raise_on_violation=False, max_violations=1)
+    feed(mon, VIEWS, bad={BAD, LATER})
+    assert len(mon.violations) == 1
+
+
+def test_accepted_counts_are_kept_per_step():
+    mon = Monitor("strict")
+    feed(mon, VIEWS)
+    commits = [v for ph, v in VIEWS if ph == "commit"]
+    assert mon.accepted_history == [
+        {"step": v.step, "row_ids": v.row_ids.tolist(), "accepted": v.accepted.tolist()}
+        for v in commits]
+
+
+def test_trace_carries_the_history_that_led_to_the_violation():
+    mon = Monitor("strict", raise_on_violation=False)
+    feed(mon, VIEWS, bad={LATER})
+    hist = mon.violations[0].trace["accepted_history"]
+    assert [h["step"] for h in hist] == [v.step for i, (ph, v) in enumerate(VIEWS)
+                                         if ph == "commit" and i < LATER]
+
+
+def test_the_run_dict_goes_into_every_trace():
+    run = {"engine": "toy", "prompts": PROMPTS, "k": 3}
+    mon = Monitor("strict", raise_on_violation=False, run=run)
+    feed(mon, VIEWS, bad={BAD})
+    assert mon.violations[0].trace["run"] == run
+    assert json.loads(mon.violations[0].to_json())["run"] == run
+
+
+def test_the_run_dict_must_be_json():
+    with pytest.raises(TypeError, match="JSON"):
+        Monitor(run={"model": object()})
+
+
+def test_a_new_run_starts_fresh():
+    mon = Monitor("strict")
+    feed(mon, VIEWS)
+    feed(mon, list(toy_views([[7, 7], [4]], k=2, budget=5, seed=3)))
+    assert mon.runs == 1 and mon.check() == []
+
+
+def test_fast_mode_reports_a_finished_run_at_the_next_run_s_start():
+    mon = Monitor("fast")
+    feed(mon, VIEWS, bad={BAD})
+    with pytest.raises(InvariantViolation):
+        mon(*VIEWS[0])  # the next run's prefill
+
+
+def test_invariants_can_be_chosen():
+    mon = Monitor("strict", invariants=("I1", "I2"))
+    feed(mon, VIEWS, bad={BAD})  # an I3 mistake goes unseen
+    assert mon.check() == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="loud"), "mode must be one of"),
+    (dict(invariants=("I9",)), "unknown invariants"),
+])
+def test_bad_configuration_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Monitor(**kwargs)
+
+
+def test_an_unknown_phase_is_refused():
+    with pytest.raises(ValueError, match="unknown phase"):
+        Monitor("strict")("sample", VIEWS[0][1])
+
+
+def test_reset_forgets_violations():
+    mon = Monitor("strict", raise_on_violation=False)
+    feed(mon, VIEWS, bad={BAD})
+    mon.reset()
+    assert mon.violations == [] and mon.calls == 0
