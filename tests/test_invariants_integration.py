@@ -1,0 +1,159 @@
+"""invariants over the real engine and Hugging Face generate (integration: imports specdec).
+
+Acceptance: no false alarm from the Monitor in any mode on any tiny family with any
+drafter, nor from guard_model on specdec.generate or Hugging Face generate (greedy,
+sampling, batch 1, left-padded, assisted); deep mode catches a corrupted KV cache (I5) and
+a corrupted output (I7); recording mode lets a broken run finish and keeps every violation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import specdec
+from conftest import tiny_pair
+from invariants import InvariantViolation, Monitor, guard_model
+from specdec import drafters, models
+
+torch.set_num_threads(1)
+transformers.logging.set_verbosity_error()
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3] * 9, [20, 21, 22]]
+BUDGET = 10
+K = 3
+
+
+def make_drafter(kind, family, target):
+    if kind == "ngram":
+        return drafters.NGramDrafter()
+    if kind == "model":
+        return drafters.ModelDrafter(tiny_pair(family)[1])
+    refs = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+    # every third token wrong: rows keep rejecting at different offsets
+    scripts = [[t if (i + r) % 3 else (t + 1) % models.TINY_VOCAB for i, t in enumerate(ref)]
+               for r, ref in enumerate(refs)]
+    return drafters.ScriptedDrafter(scripts)
+
+
+@pytest.mark.parametrize("mode", ["fast", "strict", "deep"])
+@pytest.mark.parametrize("kind", ["ngram", "model", "scripted"])
+def test_no_false_alarm_on_the_engine(family, kind, mode):
+    target, _ = tiny_pair(family)
+    mon = Monitor(mode)
+    with mon:
+        res = specdec.generate(target, PROMPTS, drafter=make_drafter(kind, family, target), k=K,
+                               batch_size=3, max_new_tokens=BUDGET, hooks=[mon])
+    assert mon.violations == [] and mon.near_ties == []
+    assert res.sequences == specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+    assert len(mon.accepted_history) == res.stats.steps
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_no_false_alarm_with_few_drafts_and_early_stops(k):
+    target, _ = tiny_pair("llama")
+    refs = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+    stop = refs[0][2]  # a token the first row emits early: rows stop at different steps
+    mon = Monitor("deep")
+    specdec.generate(target, PROMPTS, k=k, max_new_tokens=BUDGET, stop_token_ids=[stop],
+                     hooks=[mon])
+    assert mon.check() == []
+
+
+def test_the_fixture_monitors_an_engine_run(invariants_monitor):
+    target, _ = tiny_pair("qwen3")
+    specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[invariants_monitor])
+
+
+# -- guard_model on the engine and on Hugging Face generate ------------------------------
+
+def test_guard_is_silent_on_the_engine(family):
+    target, draft = tiny_pair(family)
+    with guard_model(target) as g, guard_model(draft) as gd:
+        specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                         batch_size=3, max_new_tokens=BUDGET)
+    assert g.forwards > 2 and gd.forwards > 2
+
+
+def _padded(prompts):
+    w = max(len(p) for p in prompts)
+    ids = torch.tensor([[2] * (w - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_guard_is_silent_on_hf_generate(family, sample):
+    target, _ = tiny_pair(family)
+    ids, mask = _padded(PROMPTS)
+    torch.manual_seed(0)
+    with guard_model(target) as g:
+        target.generate(ids[:1, -6:], max_new_tokens=6, do_sample=sample, pad_token_id=2)
+        target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=sample,
+                        pad_token_id=2)
+    assert g.forwards >= 2 and g.violations == []
+
+
+def test_guard_is_silent_on_hf_assisted_generation(family, monkeypatch):
+    target, draft = tiny_pair(family)
+    crops = []
+    original = DynamicCache.crop
+    monkeypatch.setattr(DynamicCache, "crop", lambda self, n: crops.append(n) or original(self, n))
+    with guard_model(target), guard_model(draft):
+        out = target.generate(torch.tensor([PROMPTS[0]]), assistant_model=draft,
+                              max_new_tokens=16, do_sample=False, pad_token_id=2)
+    assert crops, "assisted generation never rejected a draft: the test proves nothing"
+    ref = specdec.reference_generate(target, PROMPTS[:1], max_new_tokens=16)[0]
+    assert out[0, len(PROMPTS[0]):].tolist()[: len(ref)] == ref
+
+
+# -- deep mode catches what only recomputation shows ----------------------------------------
+
+def test_deep_mode_catches_a_corrupted_kv_cache():
+    target, _ = tiny_pair("llama")
+
+    def corrupt(phase, view):
+        if phase == "realign" and view.step == 2:
+            keys = view.cache_tensors()[1][0]
+            keys[0, :, -1, :] += 0.5  # the newest cached slot of row 0, last layer
+
+    with pytest.raises(InvariantViolation) as err:
+        specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
+                         hooks=[corrupt, Monitor("deep")])
+    v = err.value
+    assert (v.invariant, v.phase, v.step, v.rows) == ("I5", "realign", 2, [0])
+    assert v.slots == [[v.trace["width"] - 2]]
+    assert "allclose" in v.rules[0]
+
+
+def test_deep_mode_catches_an_output_that_leaves_greedy_decoding():
+    target, _ = tiny_pair("llama")
+
+    def corrupt(phase, view):
+        if phase == "commit" and view.step == 1:
+            view.output[1, 0] = (view.output[1, 0] + 1) % models.TINY_VOCAB  # in the engine
+
+    with pytest.raises(InvariantViolation) as err:
+        specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
+                         hooks=[corrupt, Monitor("deep", invariants=("I7",))])
+    v = err.value
+    assert (v.invariant, v.rows, v.slots) == ("I7", [1], [[0]])
+    assert "desync" in v.rules[0]
+
+
+def test_recording_mode_lets_a_broken_run_finish():
+    target, _ = tiny_pair("llama")
+
+    def shift(phase, view):  # a realignment that writes positions off by one
+        if phase == "realign":
+            view.positions[:, -1] += 1
+
+    mon = Monitor("strict", raise_on_violation=False, run={"family": "llama"})
+    res = specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[shift, mon])
+    realigns = res.stats.steps - 1
+    assert len(mon.violations) >= realigns > 0
+    assert {v.invariant for v in mon.violations} == {"I3"}
+    assert mon.violations[0].trace["info"]["strategy"] == "eqspec"
+    assert mon.violations[0].trace["run"] == {"family": "llama"}
