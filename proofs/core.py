@@ -1,0 +1,160 @@
+"""Obligations, how they are checked, and what a failure looks like.
+
+An ``Obligation`` is a property that must hold for every size up to a bound (batch size
+for the layout, number of requests for the pool). For one size, ``build(size)`` returns a
+``Query``: the assumptions (the symbolic situation: lengths, committed counts, widths) and
+the violation (the negated property). The obligation is proved at that size when
+``assumptions + violation`` is unsatisfiable (``build`` may return several queries, all
+of which must be); a model of it is a counterexample, which
+``Query.witness`` turns into a concrete, JSON-able dict (a small batch: n, m, W per row).
+
+``check`` walks the sizes from the smallest, stops at the first counterexample (after
+shrinking it: it asks again with every "size" term of the query bounded by 2, 4, 8, ...
+and keeps the first that is still satisfiable) and reports the time spent. Before the first question on a new set of assumptions it
+checks that the assumptions are satisfiable (status "vacuous" otherwise), so no
+obligation is "proved" from an impossible situation.
+
+Strategy modules (``proofs/eqspec.py``, later ``holes``/``exspec``) and the others
+(``acceptance``, ``pool``) each expose ``obligations() -> list[Obligation]``; the list of
+modules is ``proofs.registry.MODULES``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import z3
+
+
+@dataclass
+class Query:
+    """One satisfiability question: is there a situation that violates the property?"""
+
+    # the symbolic situation (constraints every real batch satisfies)
+    assumptions: list
+    # the negated property (a z3 Bool)
+    violation: object
+    # model -> concrete counterexample (JSON-able dict)
+    witness: Callable[[z3.ModelRef], dict]
+    # integer terms bounded while shrinking a counterexample (lengths, k, widths)
+    sizes: list = field(default_factory=list)
+    # extra constraints of one case of a case split (queries of one build that share
+    # the same ``assumptions`` object are asked on one solver, case by case)
+    case: list = field(default_factory=list)
+
+
+@dataclass
+class Obligation:
+    name: str           # short name printed in the report, e.g. "eqspec/I2 valid profile"
+    doc: str            # the property in one sentence
+    # size -> the queries that must all be unsatisfiable (a Query or a list of them; an
+    # empty list when the size was settled otherwise, e.g. reduced to a smaller one)
+    build: Callable[[int], "Query | list[Query]"]
+    size_name: str = "B"  # what the size is ("B" batch size, "N" requests)
+    min_size: int = 1
+    # a fixed description of the other bounds (e.g. "n,m,k unbounded")
+    scope: str = ""
+    # True when build() ignores the size (checked once; the report says so)
+    size_free: bool = False
+
+
+@dataclass
+class Result:
+    name: str
+    bound: str
+    status: str          # "proved" | "counterexample" | "unknown" | "vacuous"
+    seconds: float
+    size: int | None = None           # size of the counterexample
+    counterexample: dict | None = None
+    doc: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "proved"
+
+
+SHRINK_BOUNDS = (2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+def _shrunk_model(solver: z3.Solver, sizes: list) -> z3.ModelRef:
+    """A model with small sizes when one exists (solver is sat on entry)."""
+    if sizes:
+        for bound in SHRINK_BOUNDS:
+            solver.push()
+            solver.add(*[s <= bound for s in sizes])
+            if solver.check() == z3.sat:
+                model = solver.model()
+                solver.pop()
+                return model
+            solver.pop()
+        solver.check()
+    return solver.model()
+
+
+def solve(query: Query, timeout_ms: int = 60_000, solver: z3.Solver | None = None):
+    """('proved', None) or ('counterexample', dict) or ('unknown', reason).
+
+    With ``solver`` (already holding ``query.assumptions``) the question is asked in a
+    push/pop scope of it, so queries that share their assumptions share the work."""
+    if solver is None:
+        solver = new_solver(query, timeout_ms)
+    solver.push()
+    try:
+        solver.add(*query.case)
+        solver.add(query.violation)
+        r = solver.check()
+        if r == z3.unsat:
+            return "proved", None
+        if r == z3.unknown:
+            return "unknown", {"reason": solver.reason_unknown()}
+        model = _shrunk_model(solver, query.sizes)
+        return "counterexample", query.witness(model)
+    finally:
+        solver.pop()
+
+
+def new_solver(query: Query, timeout_ms: int) -> z3.Solver:
+    solver = z3.Solver()
+    solver.set("timeout", timeout_ms)
+    solver.add(*query.assumptions)
+    return solver
+
+
+def check(ob: Obligation, max_size: int, timeout_ms: int = 60_000) -> Result:
+    """Check ``ob`` for every size ``min_size .. max_size`` (once when ``size_free``)."""
+    t0 = time.perf_counter()
+    sizes: Iterable[int] = [max_size] if ob.size_free else range(ob.min_size, max_size + 1)
+    bound = (f"{ob.size_name}<={max_size}" if not ob.size_free else "any " + ob.size_name)
+    if ob.scope:
+        bound += ", " + ob.scope
+    for size in sizes:
+        queries = ob.build(size)
+        solver, shared = None, None
+        for query in [queries] if isinstance(queries, Query) else queries:
+            if solver is None or query.assumptions is not shared:  # a new situation
+                solver, shared = new_solver(query, timeout_ms), query.assumptions
+                if solver.check() != z3.sat:  # a proof from impossible assumptions is void
+                    return Result(ob.name, bound, "vacuous", time.perf_counter() - t0, size,
+                                  {"reason": "the assumptions are unsatisfiable"}, ob.doc)
+            status, info = solve(query, timeout_ms, solver)
+            if status != "proved":
+                return Result(ob.name, bound, status, time.perf_counter() - t0, size, info, ob.doc)
+    return Result(ob.name, bound, "proved", time.perf_counter() - t0, doc=ob.doc)
+
+
+def val(model: z3.ModelRef, t) -> int | bool:
+    """Concrete value of a term in a model (0/False for unconstrained terms)."""
+    v = model.eval(t, model_completion=True)
+    if z3.is_true(v):
+        return True
+    if z3.is_false(v):
+        return False
+    return v.as_long()
+
+
+def any_row(per_row: Iterable) -> object:
+    """Disjunction over rows (a violation in some row)."""
+    terms = list(per_row)
+    return z3.Or(*terms) if terms else z3.BoolVal(False)

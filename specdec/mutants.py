@@ -1,0 +1,112 @@
+"""Single-point mutations of the index math in ``specdec.layout``.
+
+Each mutant is one plausible bug of batched speculative decoding, applied by replacing one
+function of ``specdec.layout`` for the duration of a ``with`` block::
+
+    with mutants.apply("positions_from_slot"):
+        specdec.generate(...)      # the engine now runs the mutated formula
+        proofs.run(...)            # and the proofs check the mutated formula
+
+The engine, the strategies and ``proofs/`` call layout functions through the module
+(``layout.slot_position(...)``), so the patch reaches all of them; the original functions
+are restored on exit, also when the block raises. Used by ``python -m proofs --mutant``,
+by ``tests/test_proofs.py`` (every mutant must yield a z3 counterexample) and by the
+property-test suite (every mutant must be caught by the invariant checker).
+
+A mutant is written as a wrapper around the original function, so it stays a single
+point of difference from the real layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from . import layout
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    target: str      # the layout function it replaces
+    description: str
+    make: Callable[[Callable], Callable]  # original function -> mutated function
+    invariants: tuple  # the invariants it breaks (what a checker should report)
+
+
+def _padding_plus_one(orig):
+    def new_padding(new_width, n_new):
+        return orig(new_width, n_new) + 1
+    return new_padding
+
+
+def _padding_minus_one(orig):
+    def new_padding(new_width, n_new):
+        return orig(new_width, n_new) - 1
+    return new_padding
+
+
+def _positions_from_slot(orig):
+    def slot_position(ops, j, pad):
+        return orig(ops, j, 0 * pad)  # position = slot index, ignoring the padding
+    return slot_position
+
+
+def _crop_to_batch_min(orig):
+    def cache_source_shift(ops, old_width, new_width, committed):
+        # every row crops its cache as if it had committed the batch minimum
+        return orig(ops, old_width, new_width, ops.amin(committed, dim=0, keepdim=True))
+    return cache_source_shift
+
+
+def _mask_not_refreshed(orig):
+    def realign_plan(ops, j, n, committed, old_width, new_width, k):
+        plan = orig(ops, j, n, committed, old_width, new_width, k)
+        # valid computed from the padding the row had before this step
+        return plan._replace(valid=layout.slot_valid(j, layout.new_padding(old_width, n)))
+    return realign_plan
+
+
+def _source_off_by_one(orig):
+    def source_slot(ops, j, pad_new, shift, ext_width):
+        return orig(ops, j, pad_new, shift + 1, ext_width)
+    return source_slot
+
+
+CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
+    Mutant("padding_off_by_one", "new_padding",
+           "new left padding is one slot too many (W' - n_new + 1): a real token is masked",
+           _padding_plus_one, ("I2", "I3", "I7")),
+    Mutant("padding_off_by_minus_one", "new_padding",
+           "new left padding is one slot too few (W' - n_new - 1): a padding slot is attended",
+           _padding_minus_one, ("I2", "I3", "I7")),
+    Mutant("positions_from_slot", "slot_position",
+           "position id = slot index j instead of j - pad (ignores left padding)",
+           _positions_from_slot, ("I3", "I7")),
+    Mutant("crop_to_batch_min", "cache_source_shift",
+           "every row's cache keeps the batch-minimum of committed tokens (one crop for all)",
+           _crop_to_batch_min, ("I5", "I7")),
+    Mutant("mask_not_refreshed", "realign_plan",
+           "valid after realignment computed from the old padding W - n, not W' - n_new",
+           _mask_not_refreshed, ("I2", "I4", "I7")),
+    Mutant("source_off_by_one", "source_slot",
+           "every gather reads the extended slot one to the right (j + shift + 1)",
+           _source_off_by_one, ("I6", "I5", "I7")),
+)}
+
+NAMES = tuple(CATALOGUE)
+
+
+@contextlib.contextmanager
+def apply(name: str) -> Iterator[Mutant]:
+    """Replace one function of ``specdec.layout`` by its mutant inside the block."""
+    if name not in CATALOGUE:
+        raise ValueError(f"unknown mutant {name!r}; the catalogue has: {', '.join(NAMES)}")
+    mutant = CATALOGUE[name]
+    orig = getattr(layout, mutant.target)
+    setattr(layout, mutant.target, mutant.make(orig))
+    try:
+        yield mutant
+    finally:
+        setattr(layout, mutant.target, orig)
