@@ -19,9 +19,22 @@ import contextlib
 
 from .core import Obligation, Query, Result, check
 
-__all__ = ["run", "Obligation", "Query", "Result", "check", "DEFAULT_MAX_BATCH"]
+__all__ = ["run", "clear_caches", "Obligation", "Query", "Result", "check", "DEFAULT_MAX_BATCH"]
 
 DEFAULT_MAX_BATCH = 16
+
+
+def clear_caches() -> None:
+    """Forget the symbolic batches built so far (each module caches its encodings per
+    size and layout; a fresh run then pays for building them again, as a new process does)."""
+    import importlib
+
+    from . import registry
+
+    for modname in registry.modules().values():
+        cache = getattr(importlib.import_module(modname), "_CACHE", None)
+        if cache is not None:
+            cache.clear()
 
 
 def run(max_batch: int = DEFAULT_MAX_BATCH, *, mutant: str | None = None, groups=None,
