@@ -26,6 +26,13 @@ Modes (``MODES``):
   within ``near_tie_tolerance`` is recorded in ``near_ties`` and ends the comparison of
   that row instead of raising).
 
+Cost: a group of rules is not re-run when every tensor it reads is the same object, with
+the same ``_version`` (so not modified in place), as at its last check
+(``skip_unchanged=True``, the default): engines hand the same tokens/valid/positions to
+draft, verify and commit, which then cost a few kernels. At commit the row tokens (still
+those of before the commit) are not compared with prompt ++ output again; the commit rules
+check what it appends and the realign phase checks the tokens.
+
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
 of every step are kept (``accepted_history``), and the ``run`` dict given at construction
@@ -70,7 +77,7 @@ class Monitor:
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
                  kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
-                 max_violations: int = 100):
+                 max_violations: int = 100, skip_unchanged: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         chosen = tuple(P.INVARIANTS if invariants is None else invariants)
@@ -89,6 +96,7 @@ class Monitor:
         self.kv_atol, self.kv_rtol = kv_atol, kv_rtol
         self.near_tie_tolerance = near_tie_tolerance
         self.max_violations = max_violations
+        self.skip_unchanged = skip_unchanged
         self.violations: list[InvariantViolation] = []
         self.near_ties: list[dict] = []
         self.calls = 0
@@ -105,6 +113,7 @@ class Monitor:
         self._pending: list[_Pending] = []
         self._refs: dict = {}  # deep I7: request id -> (ids, margins)
         self._diverged: set = set()
+        self._memo: dict = {}  # group -> the inputs it last checked (see _cheap)
 
     @property
     def accepted_history(self) -> list[dict]:
@@ -136,33 +145,90 @@ class Monitor:
         self._advance(view)
 
     def _cheap(self, view: StepView):
-        """(keys, [P, B] masks) of the cheap invariants chosen (tensor ops only)."""
+        """(keys, [P, B] masks) of the cheap invariants chosen (tensor ops only).
+
+        A group of rules is skipped when every tensor it reads is the very object it
+        checked last time, unmodified (same ``_version``): the result cannot differ, and
+        a failure was already reported. An engine hands the same tokens/valid/positions to
+        draft, verify and commit, so those phases cost little.
+        """
         keys, masks = [], []
+        chosen = self.invariants
         dev_key = (view.stop_token_ids, view.device)
-        if dev_key not in self._stops:  # one small host->device copy per run
+        if dev_key not in self._stops:  # one small device write per run
             self._stops[dev_key] = P.stop_tensor(view)
-        groups = []
-        if "I1" in self.invariants:
-            groups.append(("I1", P.i1_rules(view)))
-        i1_ok_shape = tuple(view.valid.shape) == tuple(view.tokens.shape) == \
+        stops = self._stops[dev_key]
+        if "I1" in chosen:
+            for rule in P.i1_failures(view):  # host facts: no kernel unless broken
+                keys.append(("I1", rule))
+                masks.append(P._rows(view, True))
+        shapes_ok = tuple(view.valid.shape) == tuple(view.tokens.shape) == \
             tuple(view.positions.shape)
-        if i1_ok_shape:  # later invariants index [B, W] tensors together
-            if "I2" in self.invariants:
-                groups.append(("I2", P.i2_rules(view)))
-            if "I3" in self.invariants:
-                groups.append(("I3", P.i3_rules(view)))
-            if "I4" in self.invariants:
-                groups.append(("I4", P.i4_rules(view)))
-            if "I6" in self.invariants:
-                groups.append(("I6", P.i6_rules(view, stops=self._stops[dev_key],
-                                                prev=self._prev, prompts=self._prompts)))
-        for inv, rules in groups:
-            for rule, mask in rules.items():
+        groups = []
+        if shapes_ok:  # later invariants index [B, W] tensors together
+            f, commit = view.forward, view.phase == "commit"
+            if "I2" in chosen:
+                groups.append(("I2", "layout", P.i2_rules, (view.profile, view.valid, view.lengths,
+                                                   view.finished)))
+            if "I3" in chosen:
+                groups.append(("I3", "positions", P.i3_view_rules, (view.valid, view.positions)))
+                if f is not None:
+                    groups.append(("I3", "forward positions", P.i3_forward_rules, (f, view.draft_limit, view.phase)))
+            if "I4" in chosen and f is not None:
+                groups.append(("I4", "mask", P.i4_rules, (f, view.tokens, view.valid, view.drafts,
+                                                   view.phase)))
+            if "I6" in chosen:
+                prev, prompts = self._prev, self._prompts
+                groups += [
+                    ("I6", "state", lambda v: P.i6_state_rules(v, stops),
+                     (view.output, view.generated, view.budgets, view.finished, stops)),
+                    ("I6", "history", lambda v: P.i6_history_rules(v, prev),
+                     (view.output, view.generated, view.generated_before, view.row_ids,
+                      prev, commit)),
+                    ("I6", "commit", lambda v: P.i6_commit_rules(v, stops, prev),
+                     None if commit else ()),
+                    # at commit the tokens are still those of before it (checked then); what
+                    # the commit appends is checked by the commit rules, tokens at realign
+                    ("I6", "sequence", lambda v: P.i6_sequence_rules(v, prompts),
+                     () if commit else (view.tokens, view.valid, view.output, view.generated,
+                                        view.lengths, view.prompt_lengths, view.row_ids,
+                                        prompts, view.phase == "prefill")),
+                ]
+        for inv, name, rules_of, deps in groups:
+            if deps == ():  # not this phase
+                continue
+            if deps is not None and self.skip_unchanged and self._unchanged(name, deps):
+                continue
+            for rule, mask in rules_of(view).items():
                 keys.append((inv, rule))
                 masks.append(mask)
         if not masks:
             return keys, None
         return keys, torch.stack(masks)
+
+    def _unchanged(self, slot: str, deps) -> bool:
+        """True when ``deps`` are the objects (tensors: same object, same version) seen at
+        the last check of group ``slot``; remembers them either way."""
+        key = []
+        for x in deps:
+            if isinstance(x, torch.Tensor):
+                try:
+                    key.append((x, x._version))
+                except RuntimeError:  # inference tensors keep no version: always check
+                    self._memo.pop(slot, None)
+                    return False
+            else:
+                key.append((x, None))
+        old = self._memo.get(slot)
+        self._memo[slot] = key
+        if old is None or len(old) != len(key):
+            return False
+        for (a, va), (b, vb) in zip(old, key):
+            same = a is b or (isinstance(a, (str, int, bool, tuple)) and type(a) is type(b)
+                              and a == b)
+            if not same or va != vb:
+                return False
+        return True
 
     def _advance(self, view: StepView) -> None:
         """Update the per-run state after the checks of a phase."""

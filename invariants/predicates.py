@@ -84,9 +84,13 @@ class Prompts:
 
 
 def compact(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, W] -> [B, W]: each row's valid tokens moved to the front, order kept."""
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    return tokens.gather(1, order)
+    """[B, W] -> [B, W]: each row's valid tokens moved to the front, order kept (zeros
+    after them). A scatter by rank, no sort: invalid slots land in a dropped column."""
+    b, w = tokens.shape
+    dest = torch.where(valid, valid_before(valid), w)
+    out = tokens.new_zeros(b, w + 1)
+    out.scatter_(1, dest, tokens)
+    return out[:, :w]
 
 
 def match_rows(row_ids: torch.Tensor, known: torch.Tensor):
@@ -161,39 +165,45 @@ def contiguous_layout_slots(valid: torch.Tensor, lengths: torch.Tensor) -> torch
 # I1 rectangular alignment
 # ---------------------------------------------------------------------------------------
 
-def i1_rules(view: StepView) -> dict[str, torch.Tensor]:
+def i1_failures(view: StepView) -> list[str]:
+    """The I1 rules the view breaks: shapes and cache widths are host facts, so this reads
+    nothing from the device and launches nothing."""
     b, w = view.batch_size, view.width
     want = view.expected_cache_width()
     r = {}
-    r["tokens, valid and positions are [B, W]"] = _rows(view, not (
-        tuple(view.valid.shape) == (b, w) and tuple(view.positions.shape) == (b, w)))
+    r["tokens, valid and positions are [B, W]"] = not (
+        tuple(view.valid.shape) == (b, w) and tuple(view.positions.shape) == (b, w))
     per_row = ("lengths", "prompt_lengths", "budgets", "generated", "finished", "row_ids")
-    r["lengths, prompt_lengths, budgets, generated, finished, row_ids are [B]"] = _rows(
-        view, any(tuple(getattr(view, n).shape) != (b,) for n in per_row)
+    r["lengths, prompt_lengths, budgets, generated, finished, row_ids are [B]"] = (
+        any(tuple(getattr(view, n).shape) != (b,) for n in per_row)
         or view.output.dim() != 2 or view.output.shape[0] != b)
     r[f"every target cache layer has width {want} ({view.phase}: "
-      f"{'W + k' if view.phase in ('verify', 'commit') else 'W - 1'})"] = _rows(
-        view, len(view.cache_widths) == 0 or any(c != want for c in view.cache_widths))
-    r[f"every target cache layer has batch size B = {b}"] = _rows(view, any(
+      f"{'W + k' if view.phase in ('verify', 'commit') else 'W - 1'})"] = (
+        len(view.cache_widths) == 0 or any(c != want for c in view.cache_widths))
+    r[f"every target cache layer has batch size B = {b}"] = any(
         s != b and not (s <= 0 and c == 0)
-        for s, c in zip(view.cache_batch_sizes, view.cache_widths)))
+        for s, c in zip(view.cache_batch_sizes, view.cache_widths))
     if view.draft_cache_widths:
         dw = w - 1 + view.draft_cache_lag
-        r[f"every draft cache layer has width W - 1 + draft_cache_lag = {dw}"] = _rows(
-            view, any(c != dw for c in view.draft_cache_widths))
+        r[f"every draft cache layer has width W - 1 + draft_cache_lag = {dw}"] = any(
+            c != dw for c in view.draft_cache_widths)
     if view.drafts is not None:
-        r[f"drafts are [B, k] = [{b}, {view.k}]"] = _rows(
-            view, tuple(view.drafts.shape) != (b, view.k))
+        r[f"drafts are [B, k] = [{b}, {view.k}]"] = tuple(view.drafts.shape) != (b, view.k)
     if view.predictions is not None:
-        r[f"predictions are [B, k+1] = [{b}, {view.k + 1}]"] = _rows(
-            view, tuple(view.predictions.shape) != (b, view.k + 1))
+        r[f"predictions are [B, k+1] = [{b}, {view.k + 1}]"] = \
+            tuple(view.predictions.shape) != (b, view.k + 1)
     f = view.forward
     if f is not None:
         q = f.input_ids.shape[-1]
-        r["forward input_ids and positions are [B, q]"] = _rows(view, not (
+        r["forward input_ids and positions are [B, q]"] = not (
             f.input_ids.shape[0] == b and tuple(f.positions.shape[-1:]) == (q,)
-            and f.positions.shape[0] in (1, b)))
-    return r
+            and f.positions.shape[0] in (1, b))
+    return [rule for rule, broken in r.items() if broken]
+
+
+def i1_rules(view: StepView) -> dict[str, torch.Tensor]:
+    """The broken I1 rules as whole-batch masks (only broken rules are listed)."""
+    return {rule: _rows(view, True) for rule in i1_failures(view)}
 
 
 def i1_alignment(view: StepView) -> torch.Tensor:
@@ -270,14 +280,21 @@ def forward_slots(view: StepView) -> torch.Tensor | None:
     return bad & _forward_checked_slots(view)
 
 
-def i3_rules(view: StepView) -> dict[str, torch.Tensor]:
-    r = {"at every valid slot j, positions[b, j] = number of valid slots before j":
-         position_slots(view.valid, view.positions).any(dim=1)}
+def i3_view_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return {"at every valid slot j, positions[b, j] = number of valid slots before j":
+            position_slots(view.valid, view.positions).any(dim=1)}
+
+
+def i3_forward_rules(view: StepView) -> dict[str, torch.Tensor]:
     fs = forward_slots(view)
-    if fs is not None:
-        r["the forward's position of every new token = number of valid mask slots "
-          "before it"] = fs.any(dim=1)
-    return r
+    if fs is None:
+        return {}
+    return {"the forward's position of every new token = number of valid mask slots "
+            "before it": fs.any(dim=1)}
+
+
+def i3_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return {**i3_view_rules(view), **i3_forward_rules(view)}
 
 
 def i3_positions(view: StepView) -> torch.Tensor:
@@ -403,80 +420,103 @@ def output_slots(view: StepView, stops: torch.Tensor | None) -> torch.Tensor:
     return _stop_mask(view.output, stops) & (col < g - 1)
 
 
-def i6_rules(view: StepView, *, stops: torch.Tensor | None = None,
-             prev: Snapshot | None = None, prompts: Prompts | None = None
-             ) -> dict[str, torch.Tensor]:
-    if stops is None:
-        stops = stop_tensor(view)
-    b, k, dev = view.batch_size, view.k, view.device
+def _last_stop(view: StepView, stops: torch.Tensor | None) -> torch.Tensor:
+    """[B] bool: the row's last output token is a stop token."""
+    g, t = view.generated, view.output.shape[1]
+    if not t:
+        return torch.zeros_like(g, dtype=torch.bool)
+    last = view.output.gather(1, (g - 1).clamp(0, t - 1)[:, None])[:, 0]
+    return _stop_mask(last, stops) & (g > 0)
+
+
+def i6_state_rules(view: StepView, stops: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Budgets, stop tokens and finishing: a function of output, generated, finished."""
     g, budgets, fin = view.generated, view.budgets, view.finished.bool()
-    t = view.output.shape[1]
+    last_stop = _last_stop(view, stops)
+    at_budget = g >= budgets
+    return {
+        "0 <= generated[b] <= budget[b]": (g < 0) | (g > budgets),
+        "generated[b] <= output width": g > view.output.shape[1],
+        "nothing after the first stop token": output_slots(view, stops).any(dim=1),
+        "a row whose output ends in a stop token is finished": last_stop & ~fin,
+        "a row at its budget is finished": at_budget & ~fin,
+        "a finished row ended on a stop token or its budget": fin & ~(last_stop | at_budget),
+    }
+
+
+def _active_before(view: StepView, prev: Snapshot | None) -> torch.Tensor:
+    """[B] bool: rows not finished at the previous snapshot (unknown rows count active)."""
+    if prev is None:
+        return torch.ones(view.batch_size, dtype=torch.bool, device=view.device)
+    idx, found = match_rows(view.row_ids, prev.row_ids)
+    return ~(prev.finished.index_select(0, idx) & found)
+
+
+def i6_history_rules(view: StepView, prev: Snapshot | None) -> dict[str, torch.Tensor]:
+    """Against the last snapshot: no retroactive change, growth only at commit."""
+    if prev is None:
+        return {}
     r = {}
-    r["0 <= generated[b] <= budget[b]"] = (g < 0) | (g > budgets)
-    r["generated[b] <= output width"] = g > t
+    idx, found = match_rows(view.row_ids, prev.row_ids)
+    pg = prev.generated.index_select(0, idx)
+    tt = min(view.output.shape[1], prev.output.shape[1])
+    if tt:
+        po = prev.output.index_select(0, idx)[:, :tt]
+        col = torch.arange(tt, device=view.device)[None, :]
+        changed = (view.output[:, :tt] != po) & (col < pg[:, None])
+        r["output never changes retroactively"] = changed.any(dim=1) & found
+    if view.phase == "commit" and view.generated_before is not None:
+        r["generated_before = generated after the previous step"] = \
+            found & (view.generated_before != pg)
+    else:
+        r["generated changes only at commit"] = found & (view.generated != pg)
+    return r
+
+
+def i6_commit_rules(view: StepView, stops: torch.Tensor | None,
+                    prev: Snapshot | None) -> dict[str, torch.Tensor]:
+    """The commit of this step: greedy acceptance and what it appends (commit only)."""
+    if view.phase != "commit" or view.committed is None:
+        return {}
+    k, dev, t = view.k, view.device, view.output.shape[1]
+    g, m = view.generated, view.committed
+    active = _active_before(view, prev)
+    before = view.generated_before if view.generated_before is not None else g - m
+    r = {"generated = generated_before + committed": g != before + m,
+         f"1 <= committed <= k + 1 = {k + 1} for a row active before the step":
+             active & ((m < 1) | (m > k + 1))}
+    if view.predictions is not None and t:
+        i = torch.arange(k + 1, device=dev)[None, :]
+        wrote = view.output.gather(1, (before[:, None] + i).clamp(0, t - 1))
+        r["the committed tokens are the target's predictions y_0 .. y_(m-1)"] = \
+            ((wrote != view.predictions) & (i < m[:, None])).any(dim=1)
+    if view.accepted is not None:
+        a = view.accepted
+        cut = _last_stop(view, stops) | (g >= view.budgets)
+        r["committed = accepted + 1, fewer only when cut at a stop token or the budget"] = \
+            active & ((m > a + 1) | ((m < a + 1) & ~cut))
+        if view.drafts is not None and view.predictions is not None and k:
+            j = torch.arange(k, device=dev)[None, :]
+            same = view.drafts == view.predictions[:, :k]
+            r["accepted drafts equal the target's predictions"] = \
+                ((~same) & (j < a[:, None])).any(dim=1)
+            if view.draft_limit is not None:
+                lim = view.draft_limit
+                r["0 <= accepted <= draft_limit"] = (a < 0) | (a > lim)
+                nxt = same.gather(1, a.clamp(0, k - 1)[:, None])[:, 0]
+                r["accepted is the longest matching prefix of the drafts"] = (a < lim) & nxt
+        elif k == 0:
+            r["0 <= accepted <= draft_limit"] = a != 0
+    return r
+
+
+def i6_sequence_rules(view: StepView, prompts: Prompts | None) -> dict[str, torch.Tensor]:
+    """The row's real tokens are prompt ++ output, and n[b] counts exactly those."""
+    r = {}
     used = consumed(view)
     if used is not None:
         r["n[b] = prompt + committed output (prompt_lengths + generated)"] = \
             view.lengths != view.prompt_lengths + used
-    # stop tokens and finishing
-    last = view.output.gather(1, (g - 1).clamp(0, max(t - 1, 0))[:, None])[:, 0] \
-        if t else torch.zeros_like(g)
-    last_stop = _stop_mask(last, stops) & (g > 0)
-    r["nothing after the first stop token"] = output_slots(view, stops).any(dim=1)
-    r["a row whose output ends in a stop token is finished"] = last_stop & ~fin
-    r["a row at its budget is finished"] = (g >= budgets) & ~fin
-    r["a finished row ended on a stop token or its budget"] = fin & ~last_stop & (g < budgets)
-    # no retroactive change, growth only at commit
-    if prev is not None:
-        idx, found = match_rows(view.row_ids, prev.row_ids)
-        pg = prev.generated.index_select(0, idx)
-        pf = prev.finished.index_select(0, idx)
-        tt = min(t, prev.output.shape[1])
-        if tt:
-            po = prev.output.index_select(0, idx)[:, :tt]
-            col = torch.arange(tt, device=dev)[None, :]
-            changed = (view.output[:, :tt] != po) & (col < pg[:, None])
-            r["output never changes retroactively"] = changed.any(dim=1) & found
-        if view.phase == "commit" and view.generated_before is not None:
-            r["generated_before = generated after the previous step"] = \
-                found & (view.generated_before != pg)
-        else:
-            r["generated changes only at commit"] = found & (g != pg)
-        active_before = ~(pf & found)
-    else:
-        active_before = torch.ones(b, dtype=torch.bool, device=dev)
-    # the commit of this step
-    if view.phase == "commit" and view.committed is not None:
-        m = view.committed
-        before = view.generated_before if view.generated_before is not None else g - m
-        r["generated = generated_before + committed"] = g != before + m
-        r[f"1 <= committed <= k + 1 = {k + 1} for a row active before the step"] = \
-            active_before & ((m < 1) | (m > k + 1))
-        if view.predictions is not None and t:
-            i = torch.arange(k + 1, device=dev)[None, :]
-            cols = (before[:, None] + i).clamp(0, t - 1)
-            wrote = view.output.gather(1, cols)
-            r["the committed tokens are the target's predictions y_0 .. y_(m-1)"] = \
-                ((wrote != view.predictions) & (i < m[:, None])).any(dim=1)
-        if view.accepted is not None:
-            a = view.accepted
-            cut = last_stop | (g >= budgets)
-            r["committed = accepted + 1, fewer only when cut at a stop token or the budget"] = \
-                active_before & ((m > a + 1) | ((m < a + 1) & ~cut))
-            if view.drafts is not None and view.predictions is not None and k:
-                j = torch.arange(k, device=dev)[None, :]
-                same = view.drafts == view.predictions[:, :k]
-                r["accepted drafts equal the target's predictions"] = \
-                    ((~same) & (j < a[:, None])).any(dim=1)
-                if view.draft_limit is not None:
-                    lim = view.draft_limit
-                    r["0 <= accepted <= draft_limit"] = (a < 0) | (a > lim)
-                    nxt = same.gather(1, a.clamp(0, k - 1)[:, None])[:, 0]
-                    r["accepted is the longest matching prefix of the drafts"] = \
-                        (a < lim) & nxt
-            elif k == 0:
-                r["0 <= accepted <= draft_limit"] = a != 0
-    # the tokens of the row are prompt ++ output
     seq = sequence_slots(view, prompts) if view.phase != "prefill" else None
     if seq is not None:
         r["the row's real tokens, read left to right, are prompt ++ output"] = seq.any(dim=1)
@@ -484,6 +524,15 @@ def i6_rules(view: StepView, *, stops: torch.Tensor | None = None,
         r["prompt_lengths never change"] = found & (
             view.prompt_lengths != prompts.lengths.index_select(0, idx))
     return r
+
+
+def i6_rules(view: StepView, *, stops: torch.Tensor | None = None,
+             prev: Snapshot | None = None, prompts: Prompts | None = None
+             ) -> dict[str, torch.Tensor]:
+    if stops is None:
+        stops = stop_tensor(view)
+    return {**i6_state_rules(view, stops), **i6_history_rules(view, prev),
+            **i6_commit_rules(view, stops, prev), **i6_sequence_rules(view, prompts)}
 
 
 def i6_conservation(view: StepView, **state) -> torch.Tensor:
@@ -546,8 +595,10 @@ __all__ = [
     "INVARIANTS", "CHEAP", "DEEP", "KV_TOLERANCE", "Snapshot", "Prompts", "compact",
     "match_rows", "valid_before", "position_slots", "forward_position_slots",
     "contiguous_layout_slots", "layout_slots", "forward_slots", "mask_slots",
-    "sequence_slots", "output_slots", "i1_rules", "i1_alignment", "i2_rules", "i2_layout",
-    "i3_rules", "i3_positions", "i4_rules", "i4_mask", "i6_rules", "i6_conservation",
+    "sequence_slots", "output_slots", "i1_failures", "i1_rules", "i1_alignment", "i2_rules",
+    "i2_layout", "i3_view_rules", "i3_forward_rules", "i3_rules", "i3_positions", "i4_rules",
+    "i4_mask", "i6_state_rules", "i6_history_rules", "i6_commit_rules", "i6_sequence_rules",
+    "i6_rules", "i6_conservation",
     "kv_tolerance", "cached_slots", "kv_mismatches", "stop_tensor",
     "any_rule",
 ]

@@ -186,3 +186,22 @@ def test_reset_forgets_violations():
     feed(mon, VIEWS, bad={BAD})
     mon.reset()
     assert mon.violations == [] and mon.calls == 0
+
+
+def test_inputs_already_checked_are_not_checked_again_unless_modified(monkeypatch):
+    from invariants import predicates as P
+
+    calls = []
+    original = P.i3_view_rules
+    monkeypatch.setattr(P, "i3_view_rules", lambda v: calls.append(v.phase) or original(v))
+    (_, prefill), (_, draft), (_, verify) = VIEWS[:3]
+    same = {n: getattr(prefill, n).clone() for n in ("tokens", "valid", "positions")}
+    prefill = dataclasses.replace(prefill, **same)  # private copies: VIEWS stays intact
+    mon = Monitor("strict", raise_on_violation=False)
+    mon("prefill", prefill)
+    mon("draft", dataclasses.replace(draft, **same))  # the very tensors checked at prefill
+    assert calls == ["prefill"]
+    prefill.positions[0, -1] += 1  # modified in place: its version changes
+    mon("verify", dataclasses.replace(verify, **same))
+    assert calls == ["prefill", "verify"]
+    assert [(v.invariant, v.phase) for v in mon.violations] == [("I3", "verify")]

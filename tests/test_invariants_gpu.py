@@ -1,0 +1,142 @@
+"""invariants on CUDA: the engine, the Monitor and guard_model on GPU tensors, and fast mode
+never synchronising the stream inside a hook (CUDA's sync debug mode set to "error"
+around each check). Skipped without a CUDA device; ``benchmarks/gpu_check.sh`` runs them.
+
+``INVARIANTS_TEST_DEVICE=cpu`` runs the same tests on the CPU (host reads forbidden by
+``strategies.forbid_host_reads`` instead of the sync debug mode), to check the tests
+themselves on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import transformers
+
+import specdec
+from invariants import InvariantViolation, Monitor, guard_model
+from invariants import predicates as P
+from specdec import drafters, models
+from strategies import forbid_host_reads
+
+DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")]
+
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3] * 9, [20, 21, 22]]
+BUDGET = 12
+K = 3
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Any stream synchronisation (or host read, on the CPU) inside the block fails."""
+    if DEVICE.startswith("cuda"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        with forbid_host_reads():
+            yield
+
+
+def without_sync(hook):
+    """Wrap a step hook so that it runs under ``no_sync``."""
+    def wrapped(phase, view):
+        with no_sync():
+            hook(phase, view)
+    return wrapped
+
+
+_MODELS: dict = {}
+
+
+def on_device(family):
+    if family not in _MODELS:
+        _MODELS[family] = (models.tiny(family).to(DEVICE), models.tiny_draft(family).to(DEVICE))
+    return _MODELS[family]
+
+
+def reference(target):
+    return specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_fast_monitor_never_syncs_inside_the_engine(family):
+    target, draft = on_device(family)
+    mon = Monitor("fast")
+    res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                           batch_size=3, max_new_tokens=BUDGET, hooks=[without_sync(mon)])
+    assert mon.check() == []
+    assert res.sequences == reference(target)
+
+
+@pytest.mark.parametrize("mode", ["strict", "deep"])
+def test_strict_and_deep_monitors_run_on_gpu_tensors(mode):
+    target, draft = on_device("llama")
+    mon = Monitor(mode)
+    res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                           batch_size=3, max_new_tokens=BUDGET, hooks=[mon])
+    assert mon.check() == [] and mon.near_ties == []
+    assert res.sequences == reference(target)
+
+
+def test_fast_monitor_catches_a_mistake_on_gpu_and_reports_it_at_check():
+    target, _ = on_device("qwen3")
+
+    def shift(phase, view):
+        if phase == "realign" and view.step == 2:
+            view.positions[:, -1] += 1
+
+    mon = Monitor("fast")
+    specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[shift, without_sync(mon)])
+    with pytest.raises(InvariantViolation) as err:
+        mon.check()
+    assert (err.value.invariant, err.value.step) == ("I3", 2)
+
+
+def test_predicate_masks_stay_on_the_gpu():
+    target, _ = on_device("llama")
+    seen = []
+
+    def grab(phase, view):
+        if phase == "commit":
+            seen.append(view)
+
+    specdec.generate(target, PROMPTS[:2], k=K, max_new_tokens=4, hooks=[grab])
+    v = seen[0]
+    with no_sync():
+        masks = [P.i1_alignment(v), P.i2_layout(v), P.i3_positions(v), P.i4_mask(v),
+                 P.i6_conservation(v)]
+    assert all(m.device.type == torch.device(DEVICE).type for m in masks)
+
+
+def test_guard_is_silent_on_the_engine_and_hf_generate_on_gpu():
+    target, draft = on_device("mistral")
+    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], device=DEVICE)
+    with guard_model(target, mode="strict") as g, guard_model(draft, mode="fast"):
+        specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                         max_new_tokens=BUDGET)
+        target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                        pad_token_id=2)
+    assert g.forwards > 2
+
+
+def test_fast_guard_checks_a_forward_without_syncing():
+    target, _ = on_device("llama")
+    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], device=DEVICE)
+    with guard_model(target, mode="fast", raise_on_violation=False) as g:
+        with no_sync():
+            g._pre(target, (ids,), {"attention_mask": mask})  # implicit positions: row 0 wrong
+    assert [v.rows for v in g.violations] == [[0]]
