@@ -5,6 +5,11 @@ committed output) in slots ``W - n[b] .. W - 1`` and padding before them (contig
 profile). ``valid`` is the attention mask over slots; padding is never inferred from token
 ids. The newest committed token of a row (its pending token) sits in slot ``W - 1``; its
 key/value are computed by the next forward, so every cache has width ``W - 1``.
+
+Hole profile (``strategy="holes"``, ``holes=True``): rejected drafts leave invalid slots
+between valid ones; positions still count valid slots (``positions[b, j]`` = valid slots
+before j) and the pending token still sits in slot ``W - 1``. ``contiguous_tokens``
+gives the contiguous view of such a batch (an int gather) for drafters that read tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class RaggedBatch:
     target_cache: SlabCache
     # the drafter's cache (ModelDrafter only), same layout as the target's
     draft_cache: SlabCache | None = None
+    # host flag: the layout may have holes (valid slots not contiguous); see module docstring
+    holes: bool = False
     # derived in __post_init__
     batch_size: int = field(init=False)
     width: int = field(init=False)
@@ -73,6 +80,13 @@ class RaggedBatch:
         """[batch_size] long: tokens the row may still commit."""
         return self.budgets - self.generated
 
+    def contiguous_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, valid) [B, W] in the contiguous profile: each row's real tokens
+        right-aligned, in order (the batch's own tensors when it has no holes)."""
+        if not self.holes:
+            return self.tokens, self.valid
+        return compact_tokens(self.tokens, self.valid, self.positions, self.lengths, self.width)
+
 
 def left_pad(prompts: list[list[int]], device=None):
     """Right-align ``prompts`` in a rectangle of width max(len).
@@ -90,6 +104,31 @@ def left_pad(prompts: list[list[int]], device=None):
     valid = layout.slot_valid(j, pad)
     positions = layout.slot_position(layout.TORCH, j, pad)
     return tokens, valid, positions, lengths
+
+
+def compact_sources(valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                    width: int) -> torch.Tensor:
+    """Source slot of every slot of the contiguous layout at ``width`` (0 on padding).
+
+    valid, positions: [B, S]; lengths: [B] (valid slots per row, ``<= width``).
+    Returns [B, width] long. Built by one int scatter of ``layout.compact_dest_slot``
+    (destination ``pad + position`` of each valid source slot, invalid ones to a trash
+    column that is dropped); callers then gather with it.
+    """
+    b, s = valid.shape
+    pad = layout.new_padding(width, lengths)[:, None]
+    dest = layout.compact_dest_slot(layout.TORCH, valid.bool(), positions, pad, width)
+    src = torch.zeros(b, width + 1, dtype=torch.long, device=valid.device)
+    src.scatter_(1, dest, torch.arange(s, device=valid.device).expand(b, s))
+    return src[:, :width]
+
+
+def compact_tokens(tokens, valid, positions, lengths, width):
+    """(tokens, valid) of the contiguous layout at ``width`` (see ``compact_sources``)."""
+    src = compact_sources(valid, positions, lengths, width)
+    j = torch.arange(width, device=tokens.device)[None, :]
+    new_valid = layout.slot_valid(j, layout.new_padding(width, lengths)[:, None])
+    return torch.where(new_valid, tokens.gather(1, src), PAD_FILL), new_valid
 
 
 def dummy(batch_size: int = 2, width: int = 5, max_budget: int = 4) -> RaggedBatch:

@@ -13,6 +13,9 @@ target's. ``propose`` feeds the pending token and the k drafts one at a time (k 
 forwards; the last output is discarded) so that after drafting its cache has width
 ``W + k``, exactly the target's extended width after verify; one realignment plan then
 serves both caches. In the view: ``draft_cache_lag = k + 1`` during a step, 0 outside.
+With holes (``strategy="holes"``) the draft cache has the target's hole layout too: the
+same mask over slots, and for a sliding-window draft model the positions of every slot
+(``cache.forward(key_positions=...)``) so that its window counts positions, not slots.
 """
 
 from __future__ import annotations
@@ -66,11 +69,16 @@ class ModelDrafter:
         mask = batch.valid[:, : w - 1]
         ones = torch.ones(b, 1, dtype=mask.dtype, device=mask.device)
         token = batch.tokens[:, w - 1 :]
+        # positions of the mask columns, needed only for a sliding window over holes
+        kpos = batch.positions[:, : w - 1] if batch.holes and \
+            cache_mod.sliding_window(self.model) is not None else None
         drafts = []
         for i in range(k + 1):  # k + 1 sequential one-token forwards (see module docstring)
             mask = torch.cat([mask, ones], dim=1)
             pos = layout.verify_position(batch.lengths, i)[:, None]
-            logits = cache_mod.forward(self.model, token, pos, mask, cache)
+            if kpos is not None:
+                kpos = torch.cat([kpos, pos], dim=1)
+            logits = cache_mod.forward(self.model, token, pos, mask, cache, key_positions=kpos)
             if i < k:
                 token = logits[:, -1].argmax(-1, keepdim=True)
                 drafts.append(token)
@@ -84,7 +92,9 @@ class NGramDrafter:
 
     For n from ``max_n`` down to ``min_n``: find the latest earlier occurrence of the row's
     last n tokens and propose the k tokens that followed it (prompt lookup decoding). Rows
-    with no match propose their pending token repeated. Vectorised over rows.
+    with no match propose their pending token repeated. Vectorised over rows. A batch with
+    holes is first compacted logically (``RaggedBatch.contiguous_tokens``, an int gather),
+    so that no suffix or match spans a rejected slot.
     """
 
     uses_cache = False
@@ -99,7 +109,7 @@ class NGramDrafter:
 
     @torch.no_grad()
     def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
-        tokens, valid = batch.tokens, batch.valid
+        tokens, valid = batch.contiguous_tokens()
         b, w = tokens.shape
         dev = tokens.device
         pending = tokens[:, w - 1 :]

@@ -5,9 +5,16 @@ Reads top to bottom: ``generate`` validates its inputs, splits the prompts into 
 ``step`` until every row has finished. After each phase every hook is called as
 ``hook(phase, view)`` with a read-only ``invariants.StepView``.
 
-Host synchronisation: one small transfer per step (which rows finished and the new width,
-``B + 1`` integers), needed to size the realigned tensors; none inside draft, verify,
-commit or the realignment gathers.
+Strategies plug in after the shared phases: ``speculate`` (draft, verify, commit) and
+``sync`` (the host transfer) are common; what happens to the layout afterwards is the
+strategy's ``after_step`` (``strategies/eqspec.py``: realign every step; ``holes.py``:
+append and compact past a threshold). ``strategies/exspec.py`` runs its own loop over a
+request pool with the same ``prefill``, ``speculate`` and ``sync``. Each strategy names
+the layout profile its views carry (``ctx.profile``).
+
+Host synchronisation: one small transfer per step (which rows finished, the longest
+row, the committed counts: ``2B + 4`` integers), needed to size the next tensors; none
+inside draft, verify, commit or the realignment gathers.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
-from .strategies import eqspec
+from .strategies import eqspec, exspec, holes
 
 STRATEGIES = ("eqspec", "exspec", "holes")
 PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
@@ -44,6 +51,10 @@ class Stats:
     # wall seconds per phase, plus "checks": time spent inside hooks
     seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES + ("checks",)})
     accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
+    # exspec: steps served by a group of equal-length rows (no realignment); else None
+    grouped_steps: int | None = None
+    # holes: compactions run (slack past the threshold or capacity); else None
+    compactions: int | None = None
 
     @property
     def acceptance(self) -> float:
@@ -54,9 +65,17 @@ class Stats:
     def tokens_per_step(self) -> float:
         return self.committed / self.steps if self.steps else 0.0
 
+    @property
+    def group_rate(self) -> float | None:
+        """Share of steps served without realignment (exspec only; None otherwise)."""
+        if self.grouped_steps is None:
+            return None
+        return self.grouped_steps / self.steps if self.steps else 0.0
+
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "committed": self.committed, "acceptance": self.acceptance,
+                "group_rate": self.group_rate, "compactions": self.compactions,
                 "seconds": dict(self.seconds)}
 
 
@@ -82,6 +101,12 @@ class Context:
     strategy: str = "eqspec"
     step: int = 0
     batch_index: int = 0
+    # holes: slack share of the width past which a batch is compacted
+    hole_threshold: float = 0.0
+    # sliding window of the target (None: full attention); holes need position masks
+    target_window: int | None = None
+    # () -> dict of strategy facts added to every view's info (built only with hooks)
+    info: Callable[[], dict] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,7 +201,8 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
         cache_batch_sizes=tuple([tc.batch_size] * len(tc.layers)),
         draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
         draft_cache_lag=lag, model=ctx.target, cache_tensors=tc.layer_tensors,
-        info={"strategy": ctx.strategy, "batch_index": ctx.batch_index}, **extra,
+        info={"strategy": ctx.strategy, "batch_index": ctx.batch_index,
+              **(ctx.info() if ctx.info is not None else {})}, **extra,
     )
     try:
         for hook in ctx.hooks:
@@ -190,15 +216,17 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
 # ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets: list[int]) -> RaggedBatch:
+def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets: list[int],
+            capacity: Callable[[int, int], int] | None = None) -> RaggedBatch:
     """Right-align the prompts and compute the target (and drafter) cache of all but the
-    pending token of every row."""
+    pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
+    room for the whole budget at the prompt width, the contiguous profile's need)."""
     t0 = time.perf_counter()
     dev = next(ctx.target.parameters()).device
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     max_budget = max(budgets)
-    capacity = w + max_budget + ctx.k + 1
+    capacity = (w + max_budget + ctx.k + 1) if capacity is None else capacity(w, max_budget)
     budgets_t = torch.tensor(budgets, dtype=torch.long, device=dev)
     batch = RaggedBatch(
         tokens=tokens, valid=valid, positions=positions, lengths=lengths,
@@ -227,12 +255,34 @@ def _timed(ctx: Context, phase: str, t0: float) -> float:
     return t1
 
 
-@torch.no_grad()
-def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
-    """One speculative step; returns the realigned batch, or None when every row finished.
+@dataclass
+class Spec:
+    """What one draft -> verify -> commit produced (device tensors)."""
 
-    Finished rows leave the batch; their (row_ids, output, generated) go to ``done``.
-    """
+    # [B, k] long
+    drafts: torch.Tensor
+    # [B] long: drafts each row may use
+    limit: torch.Tensor
+    # [B, k+1] long: target argmax at pending and each draft
+    predictions: torch.Tensor
+    # [B] long
+    accepted: torch.Tensor
+    # [B] long: tokens committed this step
+    committed: torch.Tensor
+
+
+@dataclass
+class HostStep:
+    """The one host transfer of a step."""
+
+    finished: list  # [B] bool per row
+    max_n: int  # longest row after the commit among rows that stay (0 when none stays)
+    committed: list  # [B] int
+
+
+@torch.no_grad()
+def speculate(ctx: Context, batch: RaggedBatch) -> Spec:
+    """Draft, verify and commit on ``batch`` (hooks after each phase); no host sync."""
     k, dev = ctx.k, batch.device
     b, w = batch.tokens.shape
     t = time.perf_counter()
@@ -253,8 +303,12 @@ def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
     i = torch.arange(k + 1, device=dev)[None, :]
     positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
     mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
+    # holes in a sliding-window model: the window must count positions, not slots
+    kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) \
+        if batch.holes and ctx.target_window is not None else None
     cache_before = batch.target_cache.width
-    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache)
+    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
+                               key_positions=kpos)
     predictions = logits.argmax(dim=-1)
     t = _timed(ctx, "verify", t)
     emit(ctx, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
@@ -270,41 +324,63 @@ def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
     batch.output = batch.output.scatter(1, cols, written)
     batch.generated = before + committed
     batch.finished = layout.row_finished(batch.finished, stopped, batch.generated, batch.budgets)
-    t = _timed(ctx, "commit", t)
+    _timed(ctx, "commit", t)
     emit(ctx, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
+    return Spec(drafts, limit, predictions, accepted, committed)
 
-    # -- the one host sync of the step: finished rows and the new width ------------------
-    t = time.perf_counter()
-    width_new = layout.new_width(layout.TORCH, batch.lengths, committed, ~batch.finished)
-    host = torch.cat([batch.finished.long(), width_new[None], limit.sum()[None],
-                      accepted.sum()[None], committed.sum()[None]]).tolist()
-    finished, new_width = host[:b], host[b]
+
+def sync(ctx: Context, batch: RaggedBatch, spec: Spec) -> HostStep:
+    """The one host sync of the step: finished rows, the longest staying row, committed
+    counts; updates the counters."""
+    b = batch.batch_size
+    max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
+    host = torch.cat([batch.finished.long(), spec.committed, max_n[None], spec.limit.sum()[None],
+                      spec.accepted.sum()[None], spec.committed.sum()[None]]).tolist()
     st = ctx.stats
     st.steps += 1
-    st.drafted += host[b + 1]
-    st.accepted += host[b + 2]
-    st.committed += host[b + 3]
+    st.drafted += host[2 * b + 1]
+    st.accepted += host[2 * b + 2]
+    st.committed += host[2 * b + 3]
     if ctx.hooks:
-        st.accepted_history.append(accepted.tolist())
+        st.accepted_history.append(spec.accepted.tolist())
     ctx.step += 1
-    if any(finished):
+    return HostStep([bool(f) for f in host[:b]], host[2 * b], host[b : 2 * b])
+
+
+def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
+    """Hand the rows that finished this step to ``done`` (row_ids, output, generated)."""
+    if any(host.finished):
         fin = torch.nonzero(batch.finished).squeeze(1)
         done.append((batch.row_ids[fin], batch.output[fin], batch.generated[fin]))
-    if all(finished):
+
+
+@torch.no_grad()
+def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
+    """One speculative step; returns the next batch, or None when every row finished.
+
+    Finished rows leave the batch; their (row_ids, output, generated) go to ``done``.
+    """
+    spec = speculate(ctx, batch)
+    t = time.perf_counter()
+    host = sync(ctx, batch, spec)
+    retire(batch, host, done)
+    if all(host.finished):
         _timed(ctx, "realign", t)
         return None
-
-    # -- realign ---------------------------------------------------------------------------
-    rows = torch.nonzero(~batch.finished).squeeze(1)
-    batch = eqspec.realign(batch, predictions, committed, rows, new_width, k)
+    batch = STRATEGY_MODULES[ctx.strategy].after_step(ctx, batch, spec, host)
     _timed(ctx, "realign", t)
     emit(ctx, "realign", batch)
     return batch
 
 
+STRATEGY_MODULES = {"eqspec": eqspec, "holes": holes, "exspec": exspec}
+
+
 def run_batch(ctx: Context, prompts, row_ids, budgets, done: list) -> None:
-    batch = prefill(ctx, prompts, row_ids, budgets)
+    plan = STRATEGY_MODULES[ctx.strategy]
+    batch = prefill(ctx, prompts, row_ids, budgets,
+                    capacity=lambda w, mb: plan.capacity(ctx, w, mb))
     while batch is not None:
         batch = step(ctx, batch, done)
 
@@ -314,19 +390,40 @@ def run_batch(ctx: Context, prompts, row_ids, budgets, done: list) -> None:
 # ---------------------------------------------------------------------------------------
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
-             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=()) -> Result:
+             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), window=None,
+             hole_threshold=None) -> Result:
     """Greedy speculative decoding of ``prompts`` with ``target``.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
     prompt i, the stop token included where one ended the row, equal to the target's own
     greedy decoding. ``stop_token_ids`` defaults to the target's generation config.
+
+    Strategy options: ``window`` (exspec: requests held in the pool, default
+    ``2 * batch_size``, at least ``batch_size``); ``hole_threshold`` (holes: compact when
+    the reclaimable share of the width passes it, in ``[0, 1]``; default
+    ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache is full).
     """
     ids = _to_ids(prompts, tokenizer)
     drafter = NGramDrafter() if drafter is None else drafter
     validate(target, ids, drafter=drafter, strategy=strategy, k=k, batch_size=batch_size,
              max_new_tokens=max_new_tokens)
-    if strategy != "eqspec":
-        raise NotImplementedError(f"strategy {strategy!r} is not available yet; use 'eqspec'")
+    if window is not None:
+        if strategy != "exspec":
+            raise ValueError(f"window= applies to strategy='exspec' only, not {strategy!r}")
+        if not isinstance(window, int) or window < batch_size:
+            raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
+                             f"= {batch_size}, got {window!r}")
+    if hole_threshold is not None:
+        if strategy != "holes":
+            raise ValueError(f"hole_threshold= applies to strategy='holes' only, not {strategy!r}")
+        if not isinstance(hole_threshold, (int, float)) or not 0 <= hole_threshold <= 1:
+            raise ValueError(f"hole_threshold must be a number in [0, 1], got {hole_threshold!r}")
+    window_t = None
+    if strategy == "holes":  # refuse sliding-window setups a position mask cannot serve
+        holes.check_model(target)
+        if hasattr(drafter, "model"):
+            holes.check_model(drafter.model)
+        window_t = cache_mod.sliding_window(target)
     dev = next(target.parameters()).device
     stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
     ctx_len = context_length(target)
@@ -335,10 +432,19 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
         stop_ids=torch.tensor(stops, dtype=torch.long, device=dev),
         hooks=tuple(hooks), stats=Stats(),
         max_position=(ctx_len - 1) if ctx_len else 2**31 - 1, strategy=strategy,
+        profile=STRATEGY_MODULES[strategy].PROFILE, target_window=window_t,
+        hole_threshold=holes.DEFAULT_THRESHOLD if hole_threshold is None else float(hole_threshold),
     )
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
     done: list = []
+    if strategy == "exspec":
+        exspec.run(ctx, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                   window=exspec.default_window(batch_size) if window is None else window,
+                   done=done)
+        return Result(sequences=collect(done, len(ids)), stats=ctx.stats)
+    if strategy == "holes":
+        ctx.stats.compactions = 0
     for start in range(0, len(ids), batch_size):
         chunk = list(range(start, min(start + batch_size, len(ids))))
         ctx.batch_index = start // batch_size

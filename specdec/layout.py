@@ -233,3 +233,80 @@ def row_finished(finished, stopped, generated, budgets):
     """A row leaves the batch once it stopped or spent its budget (it stays only with
     ``generated < budgets``, so every row in a step has ``remaining >= 1``)."""
     return finished | stopped | (generated >= budgets)
+
+
+# ---------------------------------------------------------------------------------------
+# Hole profile (HOLES): no copy after a step; compaction only past a slack threshold.
+# ---------------------------------------------------------------------------------------
+# After a verify step over ``pending ++ d_1 .. d_k`` a row of width ``W`` (cache ``W - 1``)
+# grows to width ``W + k + 1`` without moving anything: extended slot ``W + i`` holds draft
+# ``d_{i+1}`` for ``i < k`` (its KV is already in cache slot ``W + i``) and slot ``W + k``
+# the new pending token ``y_{m-1}`` (not cached). Accepted drafts stay valid, rejected ones
+# become holes. Preconditions (I2/I3 of the hole profile before the step): the valid slots
+# of a row carry positions ``0 .. n-1`` in increasing slot order and the pending token
+# sits in slot ``W - 1`` with position ``n - 1``; ``1 <= m <= k + 1``.
+
+def holes_width(old_width, k):
+    """Width after a holes step: old slots, ``k`` draft slots, the new pending slot."""
+    return old_width + k + 1
+
+
+def holes_slot_valid(i, k, committed):
+    """valid of extended slot ``W + i`` (``i`` in ``0 .. k``) after a row commits
+    ``committed`` tokens: draft ``d_{i+1}`` is kept iff it was accepted and committed
+    (``i < committed - 1``); slot ``W + k`` (the new pending token) is always valid."""
+    return (i < committed - 1) | (i == k)
+
+
+def holes_slot_position(ops: Ops, i, k, n, committed):
+    """Position of extended slot ``W + i``: draft ``d_{i+1}`` sits at ``n + i`` (its verify
+    position), the new pending token at ``n + committed - 1 = n' - 1``; 0 on holes."""
+    pos = ops.where(i == k, new_length(n, committed) - 1, n + i)
+    return ops.where(holes_slot_valid(i, k, committed), pos, 0 * i)
+
+
+def compact_dest_slot(ops: Ops, valid, pos, pad_new, trash):
+    """Compaction as a scatter: the destination of source slot ``s`` is ``pad_new + pos``
+    when ``s`` is valid, else the (discarded) slot ``trash``.
+
+    Preconditions: the row's valid slots carry positions ``0 .. n-1``, each once, in
+    increasing slot order (I3); ``pad_new = W_c - n >= 0`` (``new_padding``) and
+    ``trash >= W_c``. Then the valid slots map one-to-one, order-preserving, onto
+    ``pad_new .. W_c - 1`` (the contiguous profile at width ``W_c``), the pending token
+    (position ``n - 1``) onto ``W_c - 1``, and no valid slot reaches ``trash``. With
+    ``pad_new = 0`` it is the left-aligned per-request storage of EXSPEC (slot = position).
+    """
+    return ops.where(valid, pad_new + pos, trash + 0 * pos)
+
+
+def slack(width, max_n):
+    """Slots per row that compaction would reclaim: width minus the longest row."""
+    return width - max_n
+
+
+def compaction_due(width, max_n, threshold):
+    """Compact when the reclaimable share of the width passes ``threshold``:
+    ``(W - max n) > threshold * W``. (Left padding of shorter rows is not counted: no
+    compaction can remove it, so counting it would compact every step on mixed lengths.)"""
+    return slack(width, max_n) > threshold * width
+
+
+def verify_fits(width, k, capacity):
+    """A verify step from width ``width`` writes cache slots up to ``width + k - 1``:
+    it fits a cache of ``capacity`` slots iff ``width + k <= capacity``."""
+    return width + k <= capacity
+
+
+# ---------------------------------------------------------------------------------------
+# EXSPEC pool: per-request storage is left-aligned (slot = position); a compute batch is
+# right-aligned (contiguous profile, or grouped: no padding at all).
+# ---------------------------------------------------------------------------------------
+# Loading row b (``n`` tokens) into a compute batch of width ``W``: destination slot ``j``
+# reads pool slot ``slot_position(ops, j, W - n)`` (``j - pad``, 0 on padding). Writing a
+# verify step back: verify input ``i`` (pending, drafts) goes to pool slot
+# ``verify_position(n, i)``. Storing a prefill: ``compact_dest_slot(valid, pos, 0, trash)``.
+
+def grouped(ops: Ops, n):
+    """True when every row of ``n`` ([B] or [B, 1], reduced over dim 0) has the same
+    length: the compute batch then has no padding (grouped profile)."""
+    return ops.amax(n, dim=0) == ops.amin(n, dim=0)

@@ -58,3 +58,21 @@ def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tens
         row_ids=sel(batch.row_ids), output=sel(batch.output),
         target_cache=batch.target_cache, draft_cache=batch.draft_cache,
     )
+
+
+# -- the engine's strategy interface (see specdec/engine.py) ----------------------------
+
+#: the layout profile of every view (DESIGN.md I2)
+PROFILE = "contiguous"
+
+
+def capacity(ctx, width: int, max_budget: int) -> int:
+    """Cache slots a batch needs: at most ``width + max_budget - 1`` real tokens are
+    cached before the last verify, which adds ``k + 1``."""
+    return width + max_budget + ctx.k + 1
+
+
+def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
+    """Drop the finished rows and right-align the rest at the new minimal width."""
+    rows = torch.nonzero(~batch.finished).squeeze(1)
+    return realign(batch, spec.predictions, spec.committed, rows, host.max_n, ctx.k)

@@ -1,0 +1,249 @@
+"""EXSPEC: a request pool larger than the compute batch; steps run on groups of rows of
+equal length, so that most steps need no realignment and no padding at all.
+
+Pool. ``window`` requests (default ``2 * batch_size``) are active at a time, each in one
+pool row; the rest wait in submission order. A pool row keeps its request's tokens and
+KV **left-aligned**: slot ``s`` holds the token at position ``s`` (``cache.SlotPool``,
+``[L, 2, window, H, capacity, D]``, one more such pool for a ``ModelDrafter``'s cache).
+Nothing in a pool row ever moves: a verify step's accepted drafts are already at their
+positions, rejected ones lie past the row's length and are overwritten later.
+
+Step. The host scheduler (``schedule``, on host copies of the lengths kept from the one
+sync per step) picks ``G = min(batch_size, active)`` rows:
+
+1. the rows of the previous step again, when they were a group, all committed the same
+   count and none finished: they are still a group and their compute cache is reused as
+   is (cropped to the new width, **no copy at all**);
+2. else a full group, ``G`` rows of equal length (the bucket holding the least recently
+   served row; in it the least recently served rows): grouped profile, no padding;
+3. else the fallback: the ``G`` least recently served rows, right-aligned at the width of
+   the longest (EQSPEC's contiguous profile, minimal width).
+
+Cases 2 and 3 load the chosen rows into the compute batch (``build``): pool slot
+``slot_position(j, W - n)`` to compute slot ``j`` (EQSPEC's right-alignment, done by the
+load), i.e. one gather of ``G x (W - 1)`` slots over all layers plus one copy into the
+compute slab, the same traffic as one EQSPEC realignment gather. After verify, the
+``k + 1`` slots the forward wrote (pending and drafts) are scattered back to the pool rows
+at positions ``n - 1 .. n + k - 1`` (``write_back``: ``G x (k + 1)`` slots, every step, so
+the pool is always authoritative); the committed tokens likewise. So, honestly:
+
+- reused group (case 1): ``G (k + 1)`` slots copied per step, no gather;
+- new group or fallback (2, 3): ``G (W - 1) + G (k + 1)`` slots, about one EQSPEC gather;
+- memory: the pool (``window`` rows) plus the compute slab (``batch_size`` rows), each of
+  ``longest prompt + budget + k`` slots: with the default window, 3x EQSPEC's cache.
+
+The share of steps in cases 1 and 2 is ``Stats.group_rate``; the gain over EQSPEC is the
+copy saved in case 1 and the padding avoided in 1 and 2; on workloads where equal lengths
+are rare (acceptance varies per row) EXSPEC degrades to EQSPEC plus the write-back.
+
+Refill. When rows finish, their pool rows are freed and waiting requests are admitted in
+submission order: one prefill forward over all admitted prompts (left-padded, contiguous
+profile, emitted as a ``prefill`` view), then a scatter into their pool rows
+(``layout.compact_dest_slot`` with padding 0: slot = position). Outputs are returned in
+submission order (``engine.collect``). Every request is in exactly one of waiting,
+active, finished (``Pool.state``; hooks see it in ``view.info["pool"]``).
+
+Views. A step's views carry the compute batch with profile ``grouped`` (cases 1, 2) or
+``contiguous`` (3). The view after building the next batch is the ``realign`` phase
+(also before the first step), so the phase order is prefill, realign, draft, verify,
+commit, [prefill when admitting], realign, ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from .. import cache as cache_mod
+from .. import layout
+from ..batch import PAD_FILL, RaggedBatch
+
+#: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
+PROFILE = "grouped"
+FALLBACK_PROFILE = "contiguous"
+
+
+def default_window(batch_size: int) -> int:
+    return 2 * batch_size
+
+
+class Pool:
+    """Host bookkeeping and device storage of the active requests (see module docstring)."""
+
+    def __init__(self, ctx, prompts: list, budgets: list, size: int, device):
+        k = ctx.k
+        self.prompts, self.budget_list = prompts, budgets
+        self.size = size
+        longest = max(len(p) + b for p, b in zip(prompts, budgets))
+        # pool row writes reach position n + k <= longest - 1 + k; the last slot is trash
+        self.capacity = longest + k + 2
+        self.compute_capacity = longest + k  # a verify from width W <= longest - 1
+        # host state per pool row
+        self.rid = [-1] * size       # request served, -1 when free
+        self.n = [0] * size          # its length (prompt + committed)
+        self.served = [-1] * size    # step it was last served (fairness)
+        self.waiting = deque(range(len(prompts)))
+        self.finished: list = []
+        self.prefills = 0
+        # device state per pool row
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        self.tokens = z(size, self.capacity)
+        self.lengths, self.prompt_lengths, self.budgets, self.generated = z(size), z(size), z(size), z(size)
+        self.row_ids = z(size) - 1
+        self.output = z(size, max(budgets) + k + 1)
+        self.kv = cache_mod.SlotPool(size, self.capacity)
+        self.draft_kv = cache_mod.SlotPool(size, self.capacity) if ctx.drafter.uses_cache else None
+
+    @property
+    def trash(self) -> int:
+        return self.capacity - 1
+
+    def active(self) -> list:
+        return [p for p in range(self.size) if self.rid[p] >= 0]
+
+    def state(self) -> dict:
+        """Requests waiting, active (in pool order) and finished (host lists)."""
+        return {"waiting": list(self.waiting), "active": [r for r in self.rid if r >= 0],
+                "finished": list(self.finished)}
+
+
+def admit(ctx, pool: Pool) -> None:
+    """Admit waiting requests into free pool rows: one prefill, one scatter per cache."""
+    from .. import engine
+
+    free = [p for p in range(pool.size) if pool.rid[p] < 0]
+    take = min(len(free), len(pool.waiting))
+    if not take:
+        return
+    rows = free[:take]
+    reqs = [pool.waiting.popleft() for _ in range(take)]
+    ctx.profile = FALLBACK_PROFILE
+    ctx.batch_index = pool.prefills  # 0 only for the run's first prefill (monitor resets)
+    pool.prefills += 1
+    for p, r in zip(rows, reqs):  # host bookkeeping first: the prefill view shows it
+        pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), -1
+    batch = engine.prefill(ctx, [pool.prompts[r] for r in reqs], reqs,
+                           [pool.budget_list[r] for r in reqs],
+                           capacity=lambda w, mb: max(w, 1))
+    t = time.perf_counter()
+    R = torch.tensor(rows, dtype=torch.long, device=batch.device)
+    dest = layout.compact_dest_slot(layout.TORCH, batch.valid, batch.positions, 0, pool.trash)
+    pool.tokens[R[:, None].expand_as(dest), dest] = batch.tokens
+    cw = layout.cache_width(batch.width)
+    pool.kv.store(R, batch.target_cache, dest[:, :cw])
+    if pool.draft_kv is not None:
+        pool.draft_kv.store(R, batch.draft_cache, dest[:, :cw])
+    pool.lengths[R] = batch.lengths
+    pool.prompt_lengths[R] = batch.prompt_lengths
+    pool.budgets[R] = batch.budgets
+    pool.generated[R] = 0
+    pool.output[R] = 0
+    pool.row_ids[R] = batch.row_ids
+    ctx.stats.seconds["prefill"] += time.perf_counter() - t
+
+
+def schedule(pool: Pool, batch_size: int, reusable: list | None):
+    """(pool rows, grouped, reuse) of the next step (host only; see module docstring)."""
+    active = pool.active()
+    g = min(batch_size, len(active))
+    if reusable is not None and len(reusable) == g:
+        return reusable, True, True
+    key = lambda p: (pool.served[p], pool.rid[p])  # noqa: E731 least recently served, oldest
+    buckets: dict = {}
+    for p in active:
+        buckets.setdefault(pool.n[p], []).append(p)
+    full = [ps for ps in buckets.values() if len(ps) >= g]
+    if full:
+        best = min(full, key=lambda ps: min(map(key, ps)))
+        return sorted(sorted(best, key=key)[:g]), True, False
+    return sorted(sorted(active, key=key)[:g]), False, False
+
+
+def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
+    """The compute batch of pool rows ``rows``, right-aligned at the longest row's width;
+    the caches are loaded from the pool (one gather each) unless ``reuse``."""
+    dev = pool.tokens.device
+    R = torch.tensor(rows, dtype=torch.long, device=dev)
+    w = max(pool.n[p] for p in rows)
+    n = pool.lengths.index_select(0, R)
+    j = torch.arange(w, device=dev)[None, :]
+    pad = layout.new_padding(w, n)[:, None]
+    valid = layout.slot_valid(j, pad)
+    src = layout.slot_position(layout.TORCH, j, pad).expand(len(rows), w)  # pool slot = position
+    tokens = torch.where(valid, pool.tokens.index_select(0, R).gather(1, src), PAD_FILL)
+    cw = layout.cache_width(w)
+    for pk, c in ((pool.kv, tcache), (pool.draft_kv, dcache)):
+        if c is None:
+            continue
+        if reuse:
+            c.crop(cw)
+        else:
+            pk.load(R, src[:, :cw], c)
+    return RaggedBatch(
+        tokens=tokens, valid=valid, positions=src, lengths=n,
+        prompt_lengths=pool.prompt_lengths.index_select(0, R),
+        budgets=pool.budgets.index_select(0, R), generated=pool.generated.index_select(0, R),
+        finished=torch.zeros(len(rows), dtype=torch.bool, device=dev),
+        row_ids=pool.row_ids.index_select(0, R), output=pool.output.index_select(0, R),
+        target_cache=tcache, draft_cache=dcache,
+    )
+
+
+def write_back(ctx, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> None:
+    """Scatter the step's new KV slots, committed tokens and outputs into the pool rows;
+    update the host lengths; free the rows that finished."""
+    k, dev = ctx.k, batch.device
+    R = torch.tensor(rows, dtype=torch.long, device=dev)
+    n = batch.lengths
+    i = torch.arange(k + 1, device=dev)[None, :]
+    dest = layout.verify_position(n[:, None], i)  # pool slots of pending, d_1 .. d_k
+    first = layout.cache_width(batch.width)
+    pool.kv.write_back(R, batch.target_cache, first, dest)
+    if pool.draft_kv is not None:
+        pool.draft_kv.write_back(R, batch.draft_cache, first, dest)
+    tok_dest = layout.verify_position(n[:, None], i + 1)  # positions of y_0 .. y_k
+    pool.tokens[R[:, None].expand_as(tok_dest), tok_dest] = spec.predictions
+    pool.lengths[R] = layout.new_length(n, spec.committed)
+    pool.generated[R] = batch.generated
+    pool.output[R] = batch.output
+    for b, p in enumerate(rows):
+        pool.n[p] += host.committed[b]
+        pool.served[p] = ctx.step
+        if host.finished[b]:
+            pool.finished.append(pool.rid[p])
+            pool.rid[p] = -1
+
+
+def run(ctx, ids: list, *, batch_size: int, max_new_tokens: int, window: int, done: list) -> None:
+    """Decode every prompt of ``ids`` through the pool; finished rows go to ``done``."""
+    from .. import engine
+
+    dev = next(ctx.target.parameters()).device
+    budgets = [max_new_tokens] * len(ids)
+    pool = Pool(ctx, ids, budgets, min(window, len(ids)), dev)
+    ctx.stats.grouped_steps = 0
+    ctx.info = lambda: {"pool": pool.state()}
+    tcache = cache_mod.new_cache(ctx.target, pool.compute_capacity)
+    dcache = cache_mod.new_cache(ctx.drafter.model, pool.compute_capacity) \
+        if ctx.drafter.uses_cache else None
+    admit(ctx, pool)
+    reusable = None
+    while pool.active():
+        t = time.perf_counter()
+        rows, grouped, reuse = schedule(pool, batch_size, reusable)
+        batch = build(pool, rows, reuse, tcache, dcache)
+        ctx.profile = PROFILE if grouped else FALLBACK_PROFILE
+        engine._timed(ctx, "realign", t)
+        engine.emit(ctx, "realign", batch)
+        spec = engine.speculate(ctx, batch)
+        t = time.perf_counter()
+        host = engine.sync(ctx, batch, spec)
+        ctx.stats.grouped_steps += int(grouped)
+        write_back(ctx, pool, rows, batch, spec, host)
+        engine.retire(batch, host, done)
+        same = len(set(host.committed)) == 1 and not any(host.finished)
+        reusable = rows if grouped and same else None
+        engine._timed(ctx, "realign", t)
+        admit(ctx, pool)

@@ -1,0 +1,137 @@
+"""HOLES: no copy after a step; rejected drafts become holes; compaction past a threshold.
+
+Layout (profile ``holes``, DESIGN.md I2). A verify step over ``pending ++ d_1 .. d_k``
+writes the KV of the pending token and of every draft into cache slots ``W - 1 .. W + k
+- 1`` of every row. HOLES keeps them where they are: the batch grows to width ``W' = W +
+k + 1`` for every row, extended slot ``W + i`` holds draft ``d_{i+1}`` (valid iff
+accepted: ``i < m - 1``), slot ``W + k`` the new pending token ``y_{m-1}`` (position
+``n + m - 1``, uncached), and the cache simply keeps its width ``W + k = W' - 1``. A step
+costs a mask update and a token write (small int tensors), no KV copy and no gather.
+Positions stay contiguous over valid slots (``positions[b, j]`` = valid slots before
+``j``); verify positions are ``n - 1 + i`` as in EQSPEC. The formulas are
+``specdec.layout.holes_*``.
+
+Compaction. Every step widens the batch by ``k + 1`` slots, so attention work grows with
+the holes. When the reclaimable share of the width passes ``hole_threshold``
+(``layout.compaction_due``: ``W' - max n > threshold * W'``), the batch is compacted to the
+contiguous profile at width ``max n`` with one gather over all layers (the EQSPEC
+right-alignment; its source map is built by a scatter of ``layout.compact_dest_slot``:
+destination ``pad + position`` of each valid slot). The measure counts the slots that
+compaction can remove; the left padding of shorter rows is not counted, since no
+compaction removes it (counting it would compact every step on mixed prompt lengths, or
+never be reached on equal ones). It is a host decision: ``max n`` is in the one host sync
+of the step. The cache is sized so that the threshold, not the capacity, triggers
+compaction (``capacity``); a batch that would overflow compacts anyway.
+
+Default threshold ``DEFAULT_THRESHOLD``: see ``THRESHOLD_MEASUREMENT`` below.
+
+Finished rows leave the batch with one ``index_select`` over the slab's row axis
+(``SlabCache.select_rows``), or inside the compaction gather when one is due.
+
+Sliding-window models. Transformers builds the sliding mask over slot indices, which
+over-restricts the window once holes separate slots from positions. With holes the
+engine and ``ModelDrafter`` pass the position of every mask column
+(``cache.forward(key_positions=...)``) and ``cache.position_mask`` builds the 4-D mask
+from positions (sdpa: bool, eager: additive float; other attention implementations and
+models mixing full and sliding layers are refused up front by ``check_model``).
+
+Drafters. ``NGramDrafter`` matches on ``RaggedBatch.contiguous_tokens()`` (an int gather
+with the same compaction formula), so no suffix spans a hole. ``ModelDrafter``'s cache has
+the target's layout (its k + 1 one-token forwards fill the same slots), so the same mask
+and the same compaction apply to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import cache as cache_mod
+from .. import layout
+from ..batch import PAD_FILL, RaggedBatch, compact_sources
+
+#: the layout profile of every view (DESIGN.md I2)
+PROFILE = "holes"
+
+#: default ``hole_threshold`` (see THRESHOLD_MEASUREMENT)
+DEFAULT_THRESHOLD = 0.5
+
+THRESHOLD_MEASUREMENT = """(filled in by the measurement)"""
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse a sliding-window model whose position-based mask cannot be built."""
+    if cache_mod.sliding_window(model) is None:
+        return
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        raise NotImplementedError(
+            f"strategy 'holes' on a sliding-window model needs sdpa or eager attention (a "
+            f"4-D position-based mask), got {impl!r}; use strategy='eqspec'"
+        )
+
+
+def capacity(ctx, width: int, max_budget: int) -> int:
+    """Cache slots of a batch whose prompts have width ``width``.
+
+    No row exceeds ``longest = width + max_budget`` tokens, and after compaction the width
+    is at most ``longest - 1``. Without compaction the slack share stays at most the
+    threshold ``h``, so the width stays below ``longest / (1 - h)``; a verify adds ``k + 1``.
+    With ``h = 1`` (never compact) the widest batch has ``width + max_budget (k + 1) - 1``
+    slots (every step commits at least one token).
+    """
+    k, h = ctx.k, ctx.hole_threshold
+    longest = width + max_budget
+    never = width + max_budget * (k + 1)
+    cap = never if h >= 1 else min(never, math.ceil(longest / (1 - h)) + k + 1)
+    return max(cap, longest + k + 1)
+
+
+def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
+    """Append the step's slots (drafts kept or holed, the new pending token); drop the
+    finished rows; compact when the slack passes the threshold or the cache is full."""
+    k, dev = ctx.k, batch.device
+    b, w = batch.tokens.shape
+    n, m = batch.lengths, spec.committed
+    i = torch.arange(k + 1, device=dev)[None, :]
+    ext_valid = layout.holes_slot_valid(i, k, m[:, None])
+    ext_pos = layout.holes_slot_position(layout.TORCH, i, k, n[:, None], m[:, None])
+    pending = spec.predictions.gather(1, (m - 1).clamp(min=0)[:, None])
+    ext_tok = torch.where(ext_valid, torch.cat([spec.drafts, pending], dim=1), PAD_FILL)
+    tokens = torch.cat([batch.tokens, ext_tok], dim=1)
+    valid = torch.cat([batch.valid, ext_valid], dim=1)
+    positions = torch.cat([batch.positions, ext_pos], dim=1)
+    lengths = layout.new_length(n, m)
+
+    keep = [r for r, f in enumerate(host.finished) if not f]
+    rows = None if len(keep) == b else torch.tensor(keep, dtype=torch.long, device=dev)
+    sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+    tokens, valid, positions, lengths = sel(tokens), sel(valid), sel(positions), sel(lengths)
+
+    wide = layout.holes_width(w, k)
+    caches = [c for c in (batch.target_cache, batch.draft_cache) if c is not None]
+    due = layout.compaction_due(wide, host.max_n, ctx.hole_threshold) or not layout.verify_fits(
+        wide, k, batch.target_cache.slab.capacity)
+    if due:
+        wc = host.max_n
+        src = compact_sources(valid, positions, lengths, wc)
+        j = torch.arange(wc, device=dev)[None, :]
+        pad = layout.new_padding(wc, lengths)[:, None]
+        valid = layout.slot_valid(j, pad)
+        tokens = torch.where(valid, tokens.gather(1, src), PAD_FILL)
+        positions = layout.slot_position(layout.TORCH, j, pad).expand_as(tokens)
+        src_cache = src[:, : layout.cache_width(wc)]
+        for c in caches:
+            c.gather_slots(src_cache, rows)
+        ctx.stats.compactions += 1
+    elif rows is not None:
+        for c in caches:
+            c.select_rows(rows)
+    return RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+        prompt_lengths=sel(batch.prompt_lengths), budgets=sel(batch.budgets),
+        generated=sel(batch.generated), finished=sel(batch.finished),
+        row_ids=sel(batch.row_ids), output=sel(batch.output),
+        target_cache=batch.target_cache, draft_cache=batch.draft_cache, holes=not due,
+    )
