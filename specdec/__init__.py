@@ -1,10 +1,34 @@
 """specdec: batched speculative decoding that stays exactly equal to greedy decoding.
 
 Public names: ``generate``, ``reference_generate``, ``models``, ``drafters``.
+
+Names are resolved lazily (PEP 562): ``import specdec.layout`` (the index math, which
+``proofs/`` evaluates on z3 terms) does not import torch, transformers or the engine.
 """
 
-from . import drafters, models
-from .engine import Result, Stats, generate
-from .reference import reference_generate
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "generate": "engine", "Result": "engine", "Stats": "engine",
+    "reference_generate": "reference",
+}
+_SUBMODULES = ("drafters", "models")
 
 __all__ = ["generate", "reference_generate", "models", "drafters", "Result", "Stats"]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
