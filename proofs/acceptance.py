@@ -181,7 +181,7 @@ def _stays_with_budget(bt: AccBatch, b: int):
 
 def obligations(k_max: int = K_MAX) -> list[Obligation]:
     P = "acceptance/"
-    scope = f"k<={k_max}, budgets unbounded, B>1 via row-independence"
+    scope = f"k<={k_max}, budget unbounded, B>1 row-indep"
     mk = lambda f: per_row(f, k_max)  # noqa: E731
     return [
         Obligation(P + "draft limit in [0, min(k, remaining-1)]",

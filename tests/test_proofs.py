@@ -38,13 +38,14 @@ def test_every_obligation_proves_at_small_bound():
 
 def test_every_obligation_proves_at_full_bound_within_a_minute():
     proofs.clear_caches()  # time it as a fresh process would run
-    t0 = time.perf_counter()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     results = proofs.run(FULL_BOUND)
-    elapsed = time.perf_counter() - t0
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     bad = [(r.name, r.status, r.counterexample) for r in results if not r.ok]
     assert not bad, bad
     assert all(f"<={FULL_BOUND}" in r.bound for r in results)
-    assert elapsed < 60, f"proofs took {elapsed:.1f}s for B <= {FULL_BOUND} (budget 60 s)"
+    # z3 is single-threaded: CPU time is the cost, wall time also counts other users' load
+    assert cpu < 60, f"proofs took {cpu:.1f}s CPU ({wall:.1f}s wall) for B <= {FULL_BOUND}"
 
 
 def test_cli_prints_one_line_per_obligation_and_exit_status(capsys):
@@ -59,16 +60,14 @@ def test_cli_prints_one_line_per_obligation_and_exit_status(capsys):
 
 
 def test_obligations_are_not_vacuous():
-    # a deliberately false property must get a counterexample in the same situation
+    # a deliberately false property gets a counterexample in the very same situation
     from proofs import eqspec
     from proofs.core import Obligation
-    import z3
 
     ob = Obligation("false", "W' < n_new somewhere", eqspec.per_row(
         ("j",), lambda bt, b: bt.Wn >= bt.n_new(b)))
     r = check(ob, 2)
     assert r.status == "counterexample" and r.counterexample["rows"]
-    assert z3 is not None
 
 
 # -- mutants ---------------------------------------------------------------------------------
@@ -225,3 +224,45 @@ def test_formula_patterns_match_the_layout_itself():
     code = _code_only(ROOT / "specdec" / "layout.py")
     hits = [what for pattern, what in FORMULAS if re.search(pattern, code)]
     assert len(hits) >= 6, hits
+
+
+# -- the pool model ---------------------------------------------------------------------------
+
+def test_pool_model_runs_concretely_and_keeps_its_invariant():
+    # the same step/invariant code on Python values (how a real pool will be tied to it)
+    import random
+
+    from proofs import pool as P
+
+    rng = random.Random(0)
+    for N in (1, 3, 6):
+        cap = rng.randint(1, N)
+        st, order = P.State.initial(N), []
+        for _ in range(300):
+            before = st.next_out
+            st = P.step(P.PY, st, rng.randrange(4), rng.randrange(N), cap)
+            if st.next_out > before:
+                order.append(before)
+            assert all(ok for _, ok in P.invariant(P.PY, st, cap))
+        assert order == list(range(len(order)))
+
+
+def test_pool_obligations_catch_a_broken_pool(monkeypatch):
+    from proofs import pool as P
+
+    orig = P.step
+
+    def finish_keeps_active(ops, st, move, r, cap):  # a finished request stays active too
+        nxt = orig(ops, st, move, r, cap)
+        nxt.active = [ops.or_(a, ops.and_(move == P.FINISH, r == i, st.active[i]))
+                      for i, a in enumerate(nxt.active)]
+        return nxt
+
+    monkeypatch.setattr(P, "step", finish_keeps_active)
+    P._CACHE.clear()
+    try:
+        ob = next(o for o in P.obligations() if "exactly one state" in o.name)
+        r = check(ob, 3)
+        assert r.status == "counterexample" and r.counterexample["move"] == "finish"
+    finally:
+        P._CACHE.clear()
