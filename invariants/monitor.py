@@ -199,7 +199,12 @@ class Monitor:
                 continue
             if deps is not None and self.skip_unchanged and self._unchanged(name, deps):
                 continue
-            for rule, mask in rules_of(view).items():
+            try:
+                rules = rules_of(view)
+            except (RuntimeError, IndexError, ValueError) as e:  # a malformed view
+                rules = {f"the view can be checked ({name} rules raised {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]})": P._rows(view, True)}
+            for rule, mask in rules.items():
                 keys.append((inv, rule))
                 masks.append(mask)
         if not masks:
@@ -243,12 +248,16 @@ class Monitor:
     # -- deep checks -----------------------------------------------------------------------
     def _deep(self, view: StepView) -> None:
         if "I5" in self.invariants and view.phase in KV_PHASES:
-            mask, slots = P.kv_mismatches(view, atol=self.kv_atol, rtol=self.kv_rtol)
-            rows = [b for b, s in enumerate(slots) if s]
+            a, r = P.kv_tolerance(_cache_dtype(view), self.kv_atol, self.kv_rtol)
+            rule = (f"cached K/V at every valid slot equals a clean batch-1 prefill of the "
+                    f"row's real tokens (allclose atol={a:g}, rtol={r:g})")
+            try:
+                _, slots = P.kv_mismatches(view, atol=self.kv_atol, rtol=self.kv_rtol)
+                rows = [b for b, s in enumerate(slots) if s]
+            except (RuntimeError, IndexError, ValueError) as e:  # e.g. a cache of the wrong shape
+                rows, slots = list(range(view.batch_size)), [[] for _ in range(view.batch_size)]
+                rule += f"; the cache could not be compared: {type(e).__name__}: {e}"[:300]
             if rows:
-                a, r = P.kv_tolerance(_cache_dtype(view), self.kv_atol, self.kv_rtol)
-                rule = (f"cached K/V at every valid slot equals a clean batch-1 prefill of the "
-                        f"row's real tokens (allclose atol={a:g}, rtol={r:g})")
                 self._emit(self._build(view, "I5", rows, [slots[b] for b in rows], [rule],
                                        prev=self._prev, prompts=self._prompts,
                                        history_len=len(self._history)))

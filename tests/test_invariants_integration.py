@@ -1,7 +1,7 @@
 """invariants over the real engine and Hugging Face generate (integration: imports specdec).
 
 Acceptance: no false alarm from the Monitor in any mode on any tiny family with any
-drafter, nor from guard_model on specdec.generate or Hugging Face generate (greedy,
+drafter (and in deep mode with every realignment strategy), nor from guard_model on specdec.generate or Hugging Face generate (greedy,
 sampling, batch 1, left-padded, assisted); deep mode catches a corrupted KV cache (I5) and
 a corrupted output (I7); recording mode lets a broken run finish and keeps every violation.
 """
@@ -17,6 +17,7 @@ import specdec
 from conftest import tiny_pair
 from invariants import InvariantViolation, Monitor, guard_model
 from specdec import drafters, models
+from specdec.engine import STRATEGIES
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -49,6 +50,20 @@ def test_no_false_alarm_on_the_engine(family, kind, mode):
     assert mon.violations == [] and mon.near_ties == []
     assert res.sequences == specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
     assert len(mon.accepted_history) == res.stats.steps
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "eqspec"])
+def test_no_false_alarm_on_every_realignment_strategy(family, strategy):
+    target, _ = tiny_pair(family)
+    mon = Monitor("deep")
+    try:
+        res = specdec.generate(target, PROMPTS, drafter=make_drafter("scripted", family, target),
+                               k=K, batch_size=3, max_new_tokens=BUDGET, strategy=strategy,
+                               hooks=[mon])
+    except NotImplementedError:
+        pytest.skip(f"strategy {strategy} is not implemented in this checkout")
+    assert mon.check() == [] and mon.near_ties == []
+    assert res.sequences == specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
 
 
 @pytest.mark.parametrize("k", [0, 1])

@@ -205,3 +205,15 @@ def test_inputs_already_checked_are_not_checked_again_unless_modified(monkeypatc
     mon("verify", dataclasses.replace(verify, **same))
     assert calls == ["prefill", "verify"]
     assert [(v.invariant, v.phase) for v in mon.violations] == [("I3", "verify")]
+
+
+def test_a_malformed_view_is_reported_not_crashed_on():
+    i = next(i for i, (ph, v) in enumerate(VIEWS) if ph == "commit")
+    mon = Monitor("strict", raise_on_violation=False)
+    for j, (ph, v) in enumerate(VIEWS[: i + 1]):
+        if j == i:  # predictions one column short: I1, and I6 cannot even compare them
+            v = dataclasses.replace(v, predictions=v.predictions[:, :-1])
+        mon(ph, v)
+    v = mon.violations[0]
+    assert v.invariant == "I1" and any("predictions are [B, k+1]" in r for r in v.rules)
+    assert "I6" in v.trace["also"]
