@@ -174,3 +174,63 @@ class ScriptedDrafter:
         cols = batch.generated[:, None] + torch.arange(k, device=batch.device)[None, :]
         cols = cols.clamp(max=self.table.shape[1] - 1)
         return rows.gather(1, cols)
+
+
+class ForcingDrafter:
+    """Forces a chosen acceptance pattern on any model.
+
+    ``reference[r]`` is the target's greedy continuation of request r (batch-1 reference,
+    e.g. from ``specdec.reference_generate`` with no stop tokens); ``pattern[r][s]`` is how
+    many drafts request r must accept at its s-th step (past the end of a pattern: its
+    last value; an empty pattern: k). At each step row b proposes the reference tokens
+    that follow its committed output, with the token at offset ``pattern`` replaced by a
+    different one, so an exact engine accepts exactly ``min(pattern, draft_limit)``
+    drafts. Steps are counted per ``generate`` batch (``prefill`` resets the count).
+    """
+
+    uses_cache = False
+
+    def __init__(self, reference: Sequence[Sequence[int]], pattern: Sequence[Sequence[int]],
+                 vocab_size: int):
+        if len(pattern) != len(reference):
+            raise ValueError(f"one pattern per request: {len(pattern)} patterns for "
+                             f"{len(reference)} references")
+        if vocab_size < 2:
+            raise ValueError("forcing a rejection needs a vocabulary of at least 2 tokens")
+        self.vocab_size = int(vocab_size)
+        self.scripted = ScriptedDrafter(reference)
+        steps = max(1, max((len(p) for p in pattern), default=1))
+        table = torch.full((len(pattern), steps), -1, dtype=torch.long)
+        for r, p in enumerate(pattern):  # host-side, once at construction
+            if any(a < 0 for a in p):
+                raise ValueError(f"pattern {r} has a negative accepted count: {list(p)}")
+            if len(p):
+                table[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+                table[r, len(p):] = int(p[-1])
+        self.table = table
+        self.calls = 0
+
+    def bind(self, prompts) -> None:
+        self.scripted.bind(prompts)
+
+    def prefill(self, batch: RaggedBatch) -> None:
+        self.scripted.prefill(batch)
+        self.table = self.table.to(batch.device)
+        self.calls = 0
+
+    def forced(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        """[B] long: the accepted count this step forces per row (before the draft limit)."""
+        col = min(self.calls, self.table.shape[1] - 1)
+        a = self.table.index_select(0, batch.row_ids)[:, col]
+        return torch.where(a < 0, k, a).clamp(max=k)
+
+    @torch.no_grad()
+    def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        drafts = self.scripted.propose(batch, k)
+        a = self.forced(batch, k)
+        self.calls += 1
+        if k == 0:
+            return drafts
+        j = torch.arange(k, device=batch.device)[None, :]
+        wrong = (drafts + 1) % self.vocab_size
+        return torch.where(j == a[:, None], wrong, drafts)

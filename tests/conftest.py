@@ -31,3 +31,15 @@ def tiny_pair(family: str):
 def real_model():
     """(model, tokenizer) of SmolLM2-135M-Instruct; the first load converts the GGUF."""
     return models.default_model()
+
+
+# -- hypothesis profiles: HYPOTHESIS_PROFILE=ci|dev|thorough (default dev; .ci/run uses ci)
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=12, derandomize=True, deadline=None,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile("thorough", max_examples=400, deadline=None,
+                          suppress_health_check=_SLOW_OK)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

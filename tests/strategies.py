@@ -212,3 +212,214 @@ def forbid_host_reads():
                 setattr(torch.Tensor, n, f)
             torch.nonzero = saved_nonzero
     return guard()
+
+
+# ---------------------------------------------------------------------------------------
+# hypothesis strategies for the adversarial property suite
+# ---------------------------------------------------------------------------------------
+# One strategy per kind of adversarial input; ``cases()`` composes them. Shrinking goes
+# toward few rows (the row count is drawn first, from 1), few steps (small budgets, short
+# patterns) and short prompts.
+
+from dataclasses import dataclass, field  # noqa: E402
+
+from hypothesis import strategies as st  # noqa: E402
+
+PATTERN_KINDS = ("all_zero", "all_max", "one_lagging", "alternating", "staircase", "random")
+
+
+@st.composite
+def acceptance_patterns(draw, rows: int, k: int, steps: int):
+    """Per row, per step, the accepted count in [0, k] an engine must produce."""
+    kind = draw(st.sampled_from(PATTERN_KINDS))
+    if kind == "all_zero":
+        return [[0] * steps for _ in range(rows)]
+    if kind == "all_max":
+        return [[k] * steps for _ in range(rows)]
+    if kind == "one_lagging":
+        lag = draw(st.integers(0, rows - 1))
+        return [[0 if r == lag else k] * steps for r in range(rows)]
+    if kind == "alternating":
+        return [[(k if (r + s) % 2 else 0) for s in range(steps)] for r in range(rows)]
+    if kind == "staircase":
+        return [[min(k, (r + s) % (k + 1)) for s in range(steps)] for r in range(rows)]
+    return [draw(st.lists(st.integers(0, k), min_size=1, max_size=steps)) for _ in range(rows)]
+
+
+def prompt_lengths(rows: int, context: int, budget: int):
+    """Mixed prompt lengths from 1 token to near the context limit (prompt + budget <= context)."""
+    top = context - budget
+    return st.lists(st.one_of(st.integers(1, 12), st.integers(1, top)), min_size=rows, max_size=rows)
+
+
+def stop_placements(rows: int, budget: int):
+    """None, or (row, offset): the reference token of that row at that offset becomes a stop
+    token (so the row, and any row that meets the same id, stops there)."""
+    return st.one_of(st.none(), st.tuples(st.integers(0, rows - 1), st.integers(0, budget - 1)))
+
+
+@dataclass
+class Case:
+    """One adversarial workload."""
+
+    family: str
+    lengths: list
+    budget: int
+    k: int
+    batch_size: int
+    pattern: list
+    stop: tuple | None
+    seed: int = 0
+    note: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+
+@st.composite
+def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows: int = 16,
+          max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8)):
+    rows = draw(st.integers(1, max_rows))
+    family = draw(st.sampled_from(families))
+    k = draw(st.sampled_from(ks))
+    budget = draw(st.integers(1, max_budget))
+    lengths = draw(prompt_lengths(rows, context, budget))
+    batch_size = draw(st.integers(1, max(1, rows)))
+    pattern = draw(acceptance_patterns(rows, k, max(1, budget)))
+    stop = draw(stop_placements(rows, budget))
+    seed = draw(st.integers(0, 3))
+    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed)
+
+
+# ---------------------------------------------------------------------------------------
+# running a Case on an engine, with the Monitor and a record of every commit
+# ---------------------------------------------------------------------------------------
+
+_MODELS: dict = {}
+_FREE: dict = {}
+
+
+def tiny_target(family: str):
+    if family not in _MODELS:
+        from specdec import models
+
+        _MODELS[family] = models.tiny(family)
+    return _MODELS[family]
+
+
+def case_prompts(case: Case) -> list[list[int]]:
+    from specdec import models
+
+    return random_prompts(case.lengths, models.TINY_VOCAB, seed=case.seed)
+
+
+def free_reference(target, prompts, budget, key=None):
+    """Batch-1 greedy continuations without stop tokens (memoised per key)."""
+    import specdec
+
+    if key is None or key not in _FREE:
+        ref = specdec.reference_generate(target, prompts, max_new_tokens=budget, stop_token_ids=[])
+        if key is None:
+            return ref
+        _FREE[key] = ref
+    return _FREE[key]
+
+
+def cut_at_stop(seqs, stop_ids):
+    """Greedy output with stop tokens = the free continuation cut after the first stop."""
+    out = []
+    for s in seqs:
+        cut = next((i + 1 for i, t in enumerate(s) if t in stop_ids), len(s))
+        out.append(s[:cut])
+    return out
+
+
+@dataclass
+class Outcome:
+    sequences: list
+    reference: list
+    forced: list  # per step: [B] forced accepted counts (before the draft limit)
+    commits: list  # per step: (row_ids, draft_limit, accepted, committed) host lists
+    violations: list
+    k: int
+    budget: int
+    stops: list
+
+    def steps(self) -> int:
+        return len(self.commits)
+
+
+class CommitRecorder:
+    def __init__(self):
+        self.commits = []
+
+    def __call__(self, phase, view):
+        if phase == "commit":
+            self.commits.append((view.row_ids.tolist(), view.draft_limit.tolist(),
+                                 view.accepted.tolist(), view.committed.tolist()))
+
+
+def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, target=None,
+             raise_on_violation: bool = False) -> Outcome:
+    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default)."""
+    import invariants
+    import specdec
+    from specdec import drafters, models
+
+    target = target if target is not None else tiny_target(case.family)
+    prompts = case_prompts(case)
+    free = free_reference(target, prompts, case.budget,
+                          key=(case.family, tuple(case.lengths), case.budget, case.seed))
+    stops = models.stop_token_ids(target)
+    if case.stop is not None:
+        row, off = case.stop
+        off = min(off, len(free[row]) - 1)
+        stops = [free[row][off]]
+    ref = cut_at_stop(free, set(stops))
+    drafter = drafters.ForcingDrafter(free, case.pattern, models.vocab_size(target))
+    forced = []
+    orig = drafter.propose
+
+    def propose(batch, k):
+        forced.append(drafter.forced(batch, k).tolist())
+        return orig(batch, k)
+
+    drafter.propose = propose
+    mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
+    rec = CommitRecorder()
+    if known_bad is None:
+        res = specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
+                               batch_size=case.batch_size, max_new_tokens=case.budget,
+                               stop_token_ids=stops, hooks=[mon, rec])
+        seqs = res.sequences
+    else:
+        from specdec.forensics.known_bad import generate_known_bad
+
+        seqs, _ = generate_known_bad(known_bad, target, prompts, drafter=drafter, k=case.k,
+                                     max_new_tokens=case.budget, stop_token_ids=stops,
+                                     hooks=[mon, rec])
+    violations = mon.check()
+    return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops)
+
+
+def outcome_failures(o: Outcome) -> list[str]:
+    """Every property an outcome breaks (empty: all hold)."""
+    bad = []
+    if o.violations:
+        v = o.violations[0]
+        bad.append(f"invariant {v.invariant} at step {v.step}, {v.phase}")
+    if o.sequences != o.reference:
+        bad.append("ids differ from the batch-1 reference")
+    for (rows, limit, acc, com), forced in zip(o.commits, o.forced):
+        for lim, a, c, f in zip(limit, acc, com, forced):
+            if a != min(f, lim):
+                bad.append(f"accepted {a} != forced min({f}, {lim})")
+            if not 1 <= c <= o.k + 1:
+                bad.append(f"committed {c} outside [1, k+1]")
+    for s in o.sequences:
+        if len(s) > o.budget:
+            bad.append("budget exceeded")
+        if any(t in o.stops for t in s[:-1]):
+            bad.append("tokens after a stop token")
+    return bad

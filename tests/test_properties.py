@@ -1,0 +1,60 @@
+"""Adversarial properties: forced acceptance patterns, mixed prompts, budgets and stops.
+
+Each test states one property over ``cases()`` (tests/strategies.py); the engine runs with
+a ForcingDrafter under a strict Monitor. Profiles: HYPOTHESIS_PROFILE=ci|dev|thorough.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, note
+
+from strategies import cases, run_case
+
+CASES = cases()
+
+
+def explain(case, outcome):
+    note(f"case: {case}")
+    note(f"steps: {outcome.steps()}, first violation: "
+         f"{outcome.violations[0] if outcome.violations else None}")
+
+
+@given(CASES)
+def test_invariants_hold_at_every_phase(case):
+    o = run_case(case)
+    explain(case, o)
+    assert not o.violations, str(o.violations[0])
+
+
+@given(CASES)
+def test_ids_equal_the_batch_1_reference(case):
+    o = run_case(case)
+    explain(case, o)
+    assert o.sequences == o.reference
+
+
+@given(CASES)
+def test_accepted_counts_equal_the_forced_pattern(case):
+    o = run_case(case)
+    explain(case, o)
+    for (rows, limit, accepted, _), forced in zip(o.commits, o.forced):
+        assert accepted == [min(f, lim) for f, lim in zip(forced, limit)]
+
+
+@given(CASES)
+def test_one_to_k_plus_one_tokens_committed_per_row_and_step(case):
+    o = run_case(case)
+    explain(case, o)
+    for _, _, _, committed in o.commits:
+        assert all(1 <= c <= case.k + 1 for c in committed)
+
+
+@given(CASES)
+def test_budgets_and_stop_tokens_are_respected(case):
+    o = run_case(case)
+    explain(case, o)
+    for seq in o.sequences:
+        assert 1 <= len(seq) <= case.budget
+        assert not any(t in o.stops for t in seq[:-1])
+        assert len(seq) == case.budget or seq[-1] in o.stops
