@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from . import predicates as P
-from .equivalence import DEFAULT_TOLERANCE, first_divergence
+from .equivalence import DEFAULT_TOLERANCE, classify, first_divergence
 from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
 from .view import PHASES, StepView
 
@@ -74,6 +74,14 @@ class _Pending:
 
 
 class Monitor:
+    """A step hook checking I1-I7; see the module docstring for modes and costs.
+
+    ``Monitor(mode="strict", *, raise_on_violation=True, run=None, invariants=None,
+    kv_atol=None, kv_rtol=None, near_tie_tolerance=1e-3, max_violations=100,
+    skip_unchanged=True)``; ``invariants`` restricts the checks to a subset of
+    ``("I1", ..., "I7")``.
+    """
+
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
                  kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
@@ -168,15 +176,17 @@ class Monitor:
         if shapes_ok:  # later invariants index [B, W] tensors together
             f, commit = view.forward, view.phase == "commit"
             if "I2" in chosen:
-                groups.append(("I2", "layout", P.i2_rules, (view.profile, view.valid, view.lengths,
-                                                   view.finished)))
+                groups.append(("I2", "layout", P.i2_rules,
+                               (view.profile, view.valid, view.lengths, view.finished)))
             if "I3" in chosen:
-                groups.append(("I3", "positions", P.i3_view_rules, (view.valid, view.positions)))
+                groups.append(("I3", "positions", P.i3_view_rules,
+                               (view.valid, view.positions)))
                 if f is not None:
-                    groups.append(("I3", "forward positions", P.i3_forward_rules, (f, view.draft_limit, view.phase)))
+                    groups.append(("I3", "forward positions", P.i3_forward_rules,
+                                   (f, view.draft_limit, view.phase)))
             if "I4" in chosen and f is not None:
-                groups.append(("I4", "mask", P.i4_rules, (f, view.tokens, view.valid, view.drafts,
-                                                   view.phase)))
+                groups.append(("I4", "mask", P.i4_rules,
+                               (f, view.tokens, view.valid, view.drafts, view.phase)))
             if "I6" in chosen:
                 prev, prompts = self._prev, self._prompts
                 groups += [
@@ -254,7 +264,7 @@ class Monitor:
             try:
                 _, slots = P.kv_mismatches(view, atol=self.kv_atol, rtol=self.kv_rtol)
                 rows = [b for b, s in enumerate(slots) if s]
-            except (RuntimeError, IndexError, ValueError) as e:  # e.g. a cache of the wrong shape
+            except (RuntimeError, IndexError, ValueError) as e:  # e.g. a cache of wrong shape
                 rows, slots = list(range(view.batch_size)), [[] for _ in range(view.batch_size)]
                 rule += f"; the cache could not be compared: {type(e).__name__}: {e}"[:300]
             if rows:
@@ -280,28 +290,23 @@ class Monitor:
 
                 self._refs[rid] = greedy_reference(view.model, prompts[b], budgets[b],
                                                    view.stop_token_ids)
-            ref, margins = self._refs[rid]
+            ref = self._refs[rid][0]
             o = out[b][: gen[b]]
-            d = first_divergence(o, ref if fin[b] else ref[: len(o)])
-            if d is None:
+            if first_divergence(o, ref if fin[b] else ref[: len(o)]) is None:
                 continue
-            expected = ref[d] if d < len(ref) else None
-            actual = o[d] if d < len(o) else None
-            margin = margins[d] if d < len(margins) else None
-            if (expected is not None and actual is not None and margin is not None
-                    and margin <= self.near_tie_tolerance):
-                self._diverged.add(rid)
-                self.near_ties.append({"step": view.step, "row": b, "row_id": rid, "index": d,
-                                       "engine": actual, "reference": expected, "margin": margin})
+            row = classify(view.model, prompts[b], o, ref if fin[b] else ref[: len(o)], b,
+                           self.near_tie_tolerance)
+            self._diverged.add(rid)  # past a divergence the reference no longer applies
+            if row.classification == "near-tie":
+                self.near_ties.append({"step": view.step, "row": b, "row_id": rid,
+                                       "index": row.first_divergence, "engine": row.actual,
+                                       "reference": row.expected, "margin": row.margin})
                 continue
             bad_rows.append(b)
-            slots.append([d])
-            m = "n/a" if margin is None else f"{margin:.3g}"
-            rules.append(f"row {b}: output equals the batch-1 greedy reference; first divergence "
-                         f"at output index {d}: engine {actual}, reference {expected}, reference "
-                         f"top-2 margin {m} > tolerance {self.near_tie_tolerance:g} (desync)")
+            slots.append([row.first_divergence])
+            rules.append(f"output equals the batch-1 greedy reference: {row.describe()} "
+                         f"(tolerance {self.near_tie_tolerance:g}: desync)")
         if bad_rows:
-            self._diverged.update(ids[b] for b in bad_rows)
             self._emit(self._build(view, "I7", bad_rows, slots, rules, prev=self._prev,
                                    prompts=self._prompts, history_len=len(self._history)))
 
@@ -422,8 +427,17 @@ class Monitor:
 # ---------------------------------------------------------------------------------------
 
 def _history_host(history) -> list[dict]:
-    return [{"step": int(s), "row_ids": r.tolist(), "accepted": a.tolist()}
-            for s, r, a in history]
+    """The accepted-count history on the host, in one transfer."""
+    if not history:
+        return []
+    flat = torch.cat([torch.cat([r.long(), a.long()]) for _, r, a in history]).tolist()
+    out, at = [], 0
+    for s, r, _ in history:
+        n = r.shape[0]
+        out.append({"step": int(s), "row_ids": flat[at : at + n],
+                    "accepted": flat[at + n : at + 2 * n]})
+        at += 2 * n
+    return out
 
 
 def _cache_dtype(view: StepView):

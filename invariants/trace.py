@@ -152,7 +152,8 @@ def grid_window(width: int, bad: Sequence[int], limit: int = MAX_GRID_COLUMNS) -
 def grid_row(label: str, lines: dict[str, Sequence[Any]], bad: Sequence[int],
              columns: Sequence[int]) -> dict:
     """One grid entry (one row): ``lines`` maps a line name ("valid", "pos", "want") to a
-    full-width sequence; only ``columns`` (this row's window) are kept (stored as an ordered list of [name, cells]).
+    full-width sequence; only ``columns`` (this row's window) are kept, stored as an
+    ordered list of [name, cells].
     ``None`` entries draw as '.'; offending columns draw in brackets."""
     kept = []
     for name, values in lines.items():

@@ -1,9 +1,10 @@
 """invariants over the real engine and Hugging Face generate (integration: imports specdec).
 
 Acceptance: no false alarm from the Monitor in any mode on any tiny family with any
-drafter (and in deep mode with every realignment strategy), nor from guard_model on specdec.generate or Hugging Face generate (greedy,
-sampling, batch 1, left-padded, assisted); deep mode catches a corrupted KV cache (I5) and
-a corrupted output (I7); recording mode lets a broken run finish and keeps every violation.
+drafter (and in deep mode with every realignment strategy), nor from guard_model on
+specdec.generate or Hugging Face generate (greedy, sampling, batch 1, left-padded,
+assisted); deep mode catches a corrupted KV cache (I5) and a corrupted output (I7);
+recording mode lets a broken run finish and keeps every violation.
 """
 
 from __future__ import annotations
