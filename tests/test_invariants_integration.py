@@ -173,3 +173,24 @@ def test_recording_mode_lets_a_broken_run_finish():
     assert {v.invariant for v in mon.violations} == {"I3"}
     assert mon.violations[0].trace["info"]["strategy"] == "eqspec"
     assert mon.violations[0].trace["run"] == {"family": "llama"}
+
+
+def test_deep_mode_records_a_near_tie_instead_of_raising():
+    target = models.tiny("llama")  # a private copy: its output layer is edited below
+    prompt = PROMPTS[0]
+    t = specdec.reference_generate(target, [prompt], max_new_tokens=BUDGET)[0][1]
+    u = next(x for x in range(3, models.TINY_VOCAB) if x != t)
+    with torch.no_grad():  # u's logit now equals t's everywhere: an exact tie
+        target.lm_head.weight[u] = target.lm_head.weight[t]
+    ref = specdec.reference_generate(target, [prompt], max_new_tokens=BUDGET)[0]
+    i = next(j for j, x in enumerate(ref) if x in (t, u))
+
+    def flip(phase, view):  # the engine "chooses" the other tied token at index i
+        if phase == "commit" and view.generated[0] > i and view.row_ids[0] == 0:
+            view.output[0, i] = u if ref[i] == t else t
+
+    mon = Monitor("deep", invariants=("I7",))
+    specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET, hooks=[flip, mon])
+    assert mon.check() == []
+    assert [(n["row_id"], n["index"]) for n in mon.near_ties] == [(0, i)]
+    assert mon.near_ties[0]["margin"] <= 1e-3
