@@ -75,6 +75,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from .forensics.replay import replay
+
+    same, report = replay(args.trace)
+    print(report)
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +94,10 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("replay", help="re-run a saved violation trace (or a z3 counterexample)")
+    r.add_argument("trace", help="TRACE.json written by InvariantViolation.save or python -m proofs --save-trace")
+    r.set_defaults(func=cmd_replay)
 
     args = parser.parse_args(argv)
     return args.func(args)

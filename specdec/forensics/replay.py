@@ -1,0 +1,110 @@
+"""Deterministic re-runs of a recorded run: what ``specdec replay TRACE.json`` does.
+
+A *run spec* is a JSON-able dict that fully describes a decoding run::
+
+    {"model": "tiny:llama" | "default" | PATH, "prompts": [[ids], ...],
+     "drafter": {"kind": "ngram"} | {"kind": "model", "model": "tiny-draft:llama"}
+                | {"kind": "scripted", "scripts": [[ids], ...]}
+                | {"kind": "forcing", "reference": [[ids], ...], "pattern": [[a, ...], ...]},
+     "strategy": "eqspec", "k": 4, "batch_size": 8, "max_new_tokens": 16,
+     "stop_token_ids": null | [ids], "known_bad": null | NAME, "mutant": null | NAME}
+
+``run_spec(spec)`` runs it under a strict recording ``Monitor(run=spec)``, so every
+violation's trace carries the spec; ``replay(trace)`` re-runs the spec stored in a trace
+(an ``InvariantViolation`` JSON, or a proofs counterexample) and says whether the same
+violation (invariant, step, phase, rows) comes back. Tiny models are seeded and all
+decoding is greedy, so a replay is deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def make_drafter(spec: dict, target):
+    from .. import drafters, models
+
+    d = spec.get("drafter") or {"kind": "ngram"}
+    kind = d.get("kind")
+    if kind == "ngram":
+        return drafters.NGramDrafter()
+    if kind == "model":
+        return drafters.ModelDrafter(models.resolve(d["model"])[0])
+    if kind == "scripted":
+        return drafters.ScriptedDrafter(d["scripts"])
+    if kind == "forcing":
+        return drafters.ForcingDrafter(d["reference"], d["pattern"], models.vocab_size(target))
+    raise ValueError(f"unknown drafter kind {kind!r} in the run spec: ngram, model, scripted, forcing")
+
+
+@dataclass
+class RunResult:
+    sequences: list
+    violations: list
+    spec: dict
+
+
+def run_spec(spec: dict, *, target=None) -> RunResult:
+    """Run the decoding described by ``spec`` under a strict, recording Monitor."""
+    import invariants
+
+    from .. import engine, models, mutants
+    from .known_bad import generate_known_bad
+
+    json.dumps(spec)  # a spec must be JSON-able: it goes into traces
+    if target is None:
+        target = models.resolve(spec.get("model", "default"))[0]
+    drafter = make_drafter(spec, target)
+    mon = invariants.Monitor(mode="strict", raise_on_violation=False, run=spec)
+    common = dict(drafter=drafter, k=spec.get("k", 4), max_new_tokens=spec.get("max_new_tokens", 16),
+                  stop_token_ids=spec.get("stop_token_ids"), hooks=[mon])
+    mutant = spec.get("mutant")
+    ctx = mutants.apply(mutant) if mutant else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        if spec.get("known_bad"):
+            seqs, _ = generate_known_bad(spec["known_bad"], target, spec["prompts"], **common)
+        else:
+            seqs = engine.generate(target, spec["prompts"], strategy=spec.get("strategy", "eqspec"),
+                                   batch_size=spec.get("batch_size", 8), **common).sequences
+    return RunResult(seqs, mon.check(), spec)
+
+
+def _signature(v) -> tuple:
+    return (v.invariant, v.step, v.phase, tuple(v.row_ids))
+
+
+def replay(trace) -> tuple[bool, str]:
+    """Re-run the spec stored in ``trace`` (path, JSON text or dict); returns
+    (same violation reproduced, a human-readable report)."""
+    import invariants
+
+    if isinstance(trace, (str, Path)) and Path(trace).exists():
+        text = Path(trace).read_text()
+    elif isinstance(trace, str):
+        text = trace
+    else:
+        text = json.dumps(trace)
+    data = json.loads(text)
+    if data.get("kind") == "proof-counterexample" or "counterexample" in data:
+        from proofs.replay import replay_counterexample  # a z3 counterexample
+
+        rep = replay_counterexample(data)
+        return bool(rep.diverged or rep.violations), str(rep)
+    saved = invariants.InvariantViolation.from_json(text)
+    spec = saved.trace.get("run") or {}
+    if not spec.get("prompts"):
+        return False, ("this trace has no run spec (Monitor(run=...)) to replay: record runs "
+                       "with specdec.forensics.replay.run_spec or pass run= to the Monitor")
+    result = run_spec(spec)
+    if not result.violations:
+        return False, f"replayed {spec.get('model')}: no violation this time (saved: {saved.invariant} " \
+                      f"at step {saved.step}, {saved.phase})"
+    got = result.violations[0]
+    same = _signature(got) == _signature(saved)
+    head = "reproduced" if same else "a different first violation"
+    return same, f"{head}:\n{got}"
