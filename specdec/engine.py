@@ -94,6 +94,7 @@ class Context:
     drafter: object
     k: int
     stop_ids: torch.Tensor  # [S] long
+    stop_tuple: tuple = ()  # the same ids on the host (views carry them without a sync)
     hooks: Sequence[Hook]
     stats: Stats
     max_position: int
@@ -196,7 +197,7 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
         tokens=batch.tokens, valid=batch.valid, positions=batch.positions,
         lengths=batch.lengths, prompt_lengths=batch.prompt_lengths, budgets=batch.budgets,
         generated=batch.generated, finished=batch.finished, row_ids=batch.row_ids,
-        output=batch.output, stop_token_ids=tuple(int(s) for s in ctx.stop_ids.tolist()),
+        output=batch.output, stop_token_ids=ctx.stop_tuple,
         cache_widths=tuple(tc.layer_widths()),
         cache_batch_sizes=tuple([tc.batch_size] * len(tc.layers)),
         draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
@@ -429,7 +430,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     ctx_len = context_length(target)
     ctx = Context(
         target=target, drafter=drafter, k=k,
-        stop_ids=torch.tensor(stops, dtype=torch.long, device=dev),
+        stop_ids=torch.tensor(stops, dtype=torch.long, device=dev), stop_tuple=tuple(stops),
         hooks=tuple(hooks), stats=Stats(),
         max_position=(ctx_len - 1) if ctx_len else 2**31 - 1, strategy=strategy,
         profile=STRATEGY_MODULES[strategy].PROFILE, target_window=window_t,

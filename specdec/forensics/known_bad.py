@@ -102,22 +102,39 @@ class _State:
         self.output = torch.zeros(b, max_budget + k + 1, dtype=torch.long)
 
 
-@torch.no_grad()
 def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=32,
-                       stop_token_ids=None, hooks=(), tokenizer=None):
+                       stop_token_ids=None, hooks=(), tokenizer=None, batch_size=None):
     """Run the naive engine with ``fault`` (a key of ``KNOWN_BAD``, or None for the exact
-    naive engine) on all ``prompts`` as one batch. Returns (sequences, Stats)."""
+    naive engine) on ``prompts`` in batches of ``batch_size`` (default: one batch).
+    Returns (sequences, Stats)."""
     if fault is not None and fault not in KNOWN_BAD:
         raise ValueError(f"unknown known-bad engine {fault!r}; expected one of {list(KNOWN_BAD)}")
     ids = _to_ids(prompts, tokenizer)
+    if hasattr(drafter, "bind"):
+        drafter.bind(ids)
+    size = len(ids) if batch_size is None else int(batch_size)
+    if size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    seqs, stats = [], Stats()
+    for index, start in enumerate(range(0, len(ids), size)):
+        out = _run_batch(fault, target, ids[start : start + size], start, index, drafter=drafter,
+                         k=k, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                         hooks=hooks, stats=stats)
+        seqs.extend(out)
+    return seqs, stats
+
+
+@torch.no_grad()
+def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_new_tokens,
+               stop_token_ids, hooks, stats):
     stops = model_stop_ids(target) if stop_token_ids is None else list(stop_token_ids)
     stop_t = torch.tensor(stops, dtype=torch.long)
     check_stops = stop_t if fault != "keep_after_stop" else stop_t[:0]
-    stats = Stats()
     tokens, valid, positions, lengths = left_pad(ids)
     b, w = tokens.shape
     st = _State(tokens, valid, positions, lengths,
                 torch.full((b,), max_new_tokens, dtype=torch.long), max_new_tokens, k)
+    st.row_ids = st.row_ids + row_offset
     cache = DynamicCache()
     step_no = 0
     results: dict = {}
@@ -136,7 +153,7 @@ def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=3
                                     and layer.keys.numel() else b for layer in cache.layers) or (b,),
             model=target,
             cache_tensors=lambda: [(layer.keys, layer.values) for layer in cache.layers],
-            info={"strategy": f"known-bad:{fault}"}, **extra)
+            info={"strategy": f"known-bad:{fault}", "batch_index": batch_index}, **extra)
         for hook in hooks:
             hook(phase, view)
 
@@ -149,8 +166,6 @@ def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=3
     else:
         emit("prefill")
     drafter.prefill(_ragged(st))
-    if hasattr(drafter, "bind"):
-        drafter.bind(ids)
 
     while not bool(st.finished.all()):
         w = st.tokens.shape[1]
@@ -233,7 +248,7 @@ def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=3
         st.positions = torch.where(ext_valid, torch.cumsum(ext_valid.long(), 1) - 1, 0)
         st.positions[:, -1] = torch.where(ext_valid[:, -1], st.lengths - 1, 0)
         emit("realign")
-    return [results[r] for r in range(len(ids))], stats
+    return [results[row_offset + r] for r in range(len(ids))]
 
 
 def _ragged(st: _State) -> RaggedBatch:
