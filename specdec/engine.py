@@ -94,11 +94,11 @@ class Context:
     drafter: object
     k: int
     stop_ids: torch.Tensor  # [S] long
-    stop_tuple: tuple = ()  # the same ids on the host (views carry them without a sync)
     hooks: Sequence[Hook]
     stats: Stats
     max_position: int
     profile: str = "contiguous"
+    stop_tuple: tuple = ()  # stop_ids on the host (views carry them without a sync)
     strategy: str = "eqspec"
     step: int = 0
     batch_index: int = 0
