@@ -83,6 +83,63 @@ def cmd_replay(args) -> int:
     return 0 if same else 1
 
 
+def cmd_audit(args) -> int:
+    from . import drafters, models
+    from . import prompts as prompt_mod
+    from .forensics import audit
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    engines = args.engines or list(audit.engine_names())
+    target, tok = models.resolve(args.model)
+    items = prompt_mod.load_jsonl(args.prompts) if args.prompts else prompt_mod.builtin_prompts()
+    items = items[: args.limit] if args.limit else items
+    if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        top = min(models.context_length(target) // 2, 200)
+        vocab = models.vocab_size(target)
+        ids = [torch.randint(3, vocab, (max(1, min(p.word_count(), top)),), generator=g).tolist()
+               for p in items]
+    else:
+        ids = _encode(items, tok, chat=True)
+    if args.draft_model:
+        draft = models.resolve(args.draft_model)[0]
+        factory, dname = (lambda: drafters.ModelDrafter(draft)), f"model {args.draft_model}"
+    else:
+        factory, dname = drafters.NGramDrafter, "ngram"
+    name = args.model or models.DEFAULT_MODEL_NAME
+    report = audit.Report(name, len(ids), {"batch_size": args.batch_size, "k": args.k,
+                                           "max_new_tokens": args.max_new_tokens, "drafter": dname})
+    bar = tqdm(total=len(engines) + 1, desc="audit", file=sys.stderr) if tqdm else None
+    t0 = time.perf_counter()
+    try:
+        audit.run_audit(target, tok, ids, model_name=name, engines=engines,
+                        batch_size=args.batch_size, k=args.k, max_new_tokens=args.max_new_tokens,
+                        drafter_factory=factory, drafter_name=dname,
+                        progress=bar.update if bar else None, report=report)
+    except KeyboardInterrupt:
+        report.interrupted = True
+    finally:
+        if bar:
+            bar.close()
+    report.settings["seconds"] = round(time.perf_counter() - t0, 1)
+    print(report.header())
+    print(report.table())
+    print(f"# audit took {report.settings['seconds']}s (batch-1 reference {report.reference_seconds:.1f}s)")
+    if args.out:
+        report.write(args.out)
+        print(f"# wrote {args.out}/report.md, report.json, exactness.png, phases.png")
+    bad_correct = [e.name for e in report.engines if e.expected_correct and (e.desyncs or e.violations)]
+    if bad_correct:
+        print(f"# FAILED: correct engines with desyncs or violations: {', '.join(bad_correct)}")
+        return 1
+    return 130 if report.interrupted else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +151,15 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
     g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
+    a.add_argument("--prompts", help="JSONL prompts (SpecBench questions or {'prompt': ...}); "
+                                     "default: the built-in set")
+    a.add_argument("--limit", type=int, default=16, help="first N prompts (default 16; 0 = all)")
+    a.add_argument("--engines", nargs="+", help="engines to run (default: all)")
+    a.add_argument("--out", help="directory for report.md, report.json and PNG figures")
+    _add_engine_options(a)
+    a.set_defaults(func=cmd_audit, max_new_tokens=32)
 
     r = sub.add_parser("replay", help="re-run a saved violation trace (or a z3 counterexample)")
     r.add_argument("trace", help="TRACE.json written by InvariantViolation.save or python -m proofs --save-trace")

@@ -360,12 +360,18 @@ class CommitRecorder:
                                  view.accepted.tolist(), view.committed.tolist()))
 
 
-def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, target=None,
+def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, mutant=None, target=None,
              raise_on_violation: bool = False) -> Outcome:
-    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default)."""
+    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default).
+
+    ``mutant`` (a name of specdec.mutants) applies to the engine run only: the reference
+    is always computed with the real layout (reference decoding shares left_pad's math).
+    """
+    import contextlib
+
     import invariants
     import specdec
-    from specdec import drafters, models
+    from specdec import drafters, models, mutants
 
     target = target if target is not None else tiny_target(case.family)
     prompts = case_prompts(case)
@@ -388,19 +394,25 @@ def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, target=Non
     drafter.propose = propose
     mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
     rec = CommitRecorder()
-    if known_bad is None:
-        res = specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
-                               batch_size=case.batch_size, max_new_tokens=case.budget,
-                               stop_token_ids=stops, hooks=[mon, rec])
-        seqs = res.sequences
-    else:
-        from specdec.forensics.known_bad import generate_known_bad
-
-        seqs, _ = generate_known_bad(known_bad, target, prompts, drafter=drafter, k=case.k,
-                                     max_new_tokens=case.budget, stop_token_ids=stops,
-                                     hooks=[mon, rec])
+    with mutants.apply(mutant) if mutant else contextlib.nullcontext():
+        seqs = _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, [mon, rec])
     violations = mon.check()
     return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops)
+
+
+def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hooks):
+    import specdec
+
+    if known_bad is None:
+        return specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
+                                batch_size=case.batch_size, max_new_tokens=case.budget,
+                                stop_token_ids=stops, hooks=hooks).sequences
+    from specdec.forensics.known_bad import generate_known_bad
+
+    seqs, _ = generate_known_bad(known_bad, target, prompts, drafter=drafter, k=case.k,
+                                 max_new_tokens=case.budget, stop_token_ids=stops, hooks=hooks,
+                                 batch_size=case.batch_size)
+    return seqs
 
 
 def outcome_failures(o: Outcome) -> list[str]:

@@ -1,0 +1,260 @@
+"""``specdec audit``: which batched decoding engines stay exact, and where the others break.
+
+On one model and one prompt set it runs batched standard decoding, the three correct
+speculative strategies (EQSPEC, EXSPEC, holes) and every known-bad reproduction
+(``known_bad.KNOWN_BAD``). Correct engines run under a strict Monitor (a violation stops
+that engine and is reported); known-bad ones under a recording Monitor, so their whole
+output is seen. Every engine's ids are compared with batch-1 greedy decoding; a divergence
+is a near-tie when the reference's top-2 logit margin at its first position is below
+``invariants.DEFAULT_TOLERANCE``, a desync otherwise.
+
+The report (``Report``) prints as a table; ``write(dir)`` saves report.md, report.json and
+two PNG figures. Engines finish one at a time: an interrupt (Ctrl-C) keeps what finished.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CORRECT = ("standard", "eqspec", "exspec", "holes")
+
+
+def engine_names() -> tuple[str, ...]:
+    from .known_bad import KNOWN_BAD
+
+    return CORRECT + tuple(KNOWN_BAD)
+
+
+@dataclass
+class EngineReport:
+    name: str
+    expected_correct: bool
+    tokens_per_s: float = 0.0
+    speedup_vs_standard: float | None = None
+    acceptance: float | None = None
+    exact_match: float = 0.0
+    near_ties: int = 0
+    desyncs: int = 0
+    violations: int = 0
+    first_violation: dict | None = None
+    sample: str | None = None  # a short excerpt of corrupted text
+    seconds: float = 0.0
+    tokens: int = 0
+    phase_shares: dict | None = None
+    error: str | None = None
+    description: str = ""
+
+
+@dataclass
+class Report:
+    model: str
+    prompts: int
+    settings: dict
+    engines: list = field(default_factory=list)
+    reference_seconds: float = 0.0
+    interrupted: bool = False
+
+    def as_json(self) -> dict:
+        keys = ("name", "expected_correct", "tokens_per_s", "speedup_vs_standard", "acceptance",
+                "exact_match", "near_ties", "desyncs", "violations", "first_violation")
+        return {"model": self.model, "prompts": self.prompts, "settings": self.settings,
+                "interrupted": self.interrupted,
+                "engines": [{**{k: getattr(e, k) for k in keys},
+                             **{k: v for k, v in asdict(e).items() if k not in keys}}
+                            for e in self.engines]}
+
+    def table(self) -> str:
+        head = (f"{'engine':<22} {'ok?':<4} {'tok/s':>7} {'speedup':>7} {'accept':>6} "
+                f"{'exact':>6} {'ties':>4} {'desync':>6} {'viol':>5}  first violation")
+        lines = [head, "-" * (len(head) + 18)]
+        for e in self.engines:
+            fv = e.first_violation
+            first = f"{fv['invariant']} step {fv['step']} {fv['phase']}" if fv else "-"
+            if e.error:
+                first = f"error: {e.error[:40]}"
+            acc = f"{e.acceptance:.2f}" if e.acceptance is not None else "-"
+            sp = f"{e.speedup_vs_standard:.2f}x" if e.speedup_vs_standard is not None else "-"
+            lines.append(f"{e.name:<22} {'yes' if e.expected_correct else 'BAD':<4} "
+                         f"{e.tokens_per_s:>7.1f} {sp:>7} {acc:>6} {e.exact_match * 100:>5.0f}% "
+                         f"{e.near_ties:>4} {e.desyncs:>6} {e.violations:>5}  {first}")
+        samples = [e for e in self.engines if e.sample]
+        if samples:
+            lines.append("")
+            lines.append("samples of corrupted text (reference | engine, from the first divergence):")
+            for e in samples:
+                lines.append(f"  {e.name}: {e.sample}")
+        return "\n".join(lines)
+
+    def header(self) -> str:
+        s = self.settings
+        return (f"model {self.model}, {self.prompts} prompts, batch {s['batch_size']}, "
+                f"k={s['k']}, {s['max_new_tokens']} new tokens, drafter {s['drafter']}"
+                + (" (interrupted: partial report)" if self.interrupted else ""))
+
+    def write(self, out) -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(self.as_json(), indent=2))
+        md = [f"# specdec audit\n", self.header() + "\n", "```", self.table(), "```", ""]
+        md.append("Near-ties: divergences where the batch-1 reference's top-2 logit margin is "
+                  "below the tolerance (numerics, not bugs). Desyncs: all others.\n")
+        md.append("![throughput vs exact match](exactness.png)\n\n![phase shares](phases.png)\n")
+        (out / "report.md").write_text("\n".join(md))
+        _plots(self, out)
+
+
+def _plots(report: Report, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for e in report.engines:
+        mark, color = ("o", "tab:green") if e.expected_correct else ("x", "tab:red")
+        ax.scatter(e.tokens_per_s, e.exact_match * 100, marker=mark, color=color, s=60)
+        ax.annotate(e.name, (e.tokens_per_s, e.exact_match * 100), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.scatter([], [], marker="o", color="tab:green", label="correct engines")
+    ax.scatter([], [], marker="x", color="tab:red", label="known-bad reproductions")
+    ax.set_xlabel("tokens / s")
+    ax.set_ylabel("exact match vs batch-1 greedy (%)")
+    ax.set_ylim(-5, 105)
+    ax.set_title("Throughput vs exactness")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "exactness.png", dpi=110)
+    plt.close(fig)
+
+    rows = [e for e in report.engines if e.phase_shares]
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4.5))
+    bottom = [0.0] * len(rows)
+    for phase in ("prefill", "draft", "verify", "commit", "realign", "checks"):
+        vals = [e.phase_shares.get(phase, 0.0) for e in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottom, label=phase)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([e.name for e in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("share of engine time")
+    ax.set_title("Phase shares")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "phases.png", dpi=110)
+    plt.close(fig)
+
+
+def _shares(seconds: dict) -> dict:
+    total = sum(seconds.values()) or 1.0
+    return {p: v / total for p, v in seconds.items()}
+
+
+def _classify(seqs, reference, margins, tolerance):
+    exact = near = desync = 0
+    first_bad = None
+    for row, (got, want) in enumerate(zip(seqs, reference)):
+        if got == want:
+            exact += 1
+            continue
+        j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        margin = margins[row][j] if j < len(margins[row]) else None
+        if margin is not None and margin < tolerance:
+            near += 1
+        else:
+            desync += 1
+            if first_bad is None:
+                first_bad = (row, j)
+    return exact, near, desync, first_bad
+
+
+def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | None:
+    if first_bad is None:
+        return None
+    row, j = first_bad
+    dec = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else str
+    ref_txt = dec(reference[row][j : j + 12]).replace("\n", "\\n")[:width]
+    got_txt = dec(seqs[row][j : j + 12]).replace("\n", "\\n")[:width]
+    return f"prompt {row}, token {j}: {ref_txt!r} | {got_txt!r}"
+
+
+def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch_size=8, k=4,
+              max_new_tokens=32, drafter_factory=None, drafter_name="ngram", progress=None,
+              report: Report | None = None) -> Report:
+    """Run every engine in ``engines`` on ``ids``; fills and returns ``report``."""
+    import invariants
+
+    from .. import drafters, engine, reference
+    from .known_bad import KNOWN_BAD, generate_known_bad
+
+    engines = list(engines or engine_names())
+    unknown = [e for e in engines if e not in engine_names()]
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(engine_names())}")
+    drafter_factory = drafter_factory or drafters.NGramDrafter
+    if report is None:
+        report = Report(model_name, len(ids), {"batch_size": batch_size, "k": k,
+                                               "max_new_tokens": max_new_tokens,
+                                               "drafter": drafter_name})
+    tol = invariants.DEFAULT_TOLERANCE
+    t0 = time.perf_counter()
+    ref, margins = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens,
+                                                batch_size=1, return_margins=True)
+    report.reference_seconds = time.perf_counter() - t0
+    if progress:
+        progress(1)
+    standard_tps = None
+    for name in engines:
+        correct = name in CORRECT
+        rep = EngineReport(name=name, expected_correct=correct,
+                           description=KNOWN_BAD.get(name, "correct engine"))
+        mon = invariants.Monitor(mode="strict", raise_on_violation=correct,
+                                 run={"engine": name, "model": model_name})
+        stats = None
+        t0 = time.perf_counter()
+        try:
+            if name == "standard":
+                seqs = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens,
+                                                    batch_size=batch_size)
+            elif correct:
+                res = engine.generate(target, ids, drafter=drafter_factory(), strategy=name, k=k,
+                                      batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                      hooks=[mon])
+                seqs, stats = res.sequences, res.stats
+            else:
+                seqs, stats = generate_known_bad(name, target, ids, drafter=drafter_factory(), k=k,
+                                                 max_new_tokens=max_new_tokens, hooks=[mon],
+                                                 batch_size=batch_size)
+            mon.check()
+        except invariants.InvariantViolation as v:  # a correct engine broke an invariant
+            if v not in mon.violations:
+                mon.violations.append(v)
+            seqs = [[] for _ in ids]
+            rep.error = f"stopped by {v.invariant} at step {v.step}, {v.phase}"
+        rep.seconds = time.perf_counter() - t0
+        rep.tokens = sum(len(s) for s in seqs)
+        rep.tokens_per_s = rep.tokens / rep.seconds if rep.seconds else 0.0
+        if name == "standard":
+            standard_tps = rep.tokens_per_s
+        if standard_tps:
+            rep.speedup_vs_standard = rep.tokens_per_s / standard_tps
+        if stats is not None:
+            rep.acceptance = stats.acceptance
+            rep.phase_shares = _shares(stats.seconds)
+        exact, near, desync, first_bad = _classify(seqs, ref, margins, tol)
+        rep.exact_match = exact / len(ids)
+        rep.near_ties, rep.desyncs = near, desync
+        rep.violations = len(mon.violations)
+        if mon.violations:
+            v = mon.violations[0]
+            rep.first_violation = {"invariant": v.invariant, "step": v.step, "phase": v.phase,
+                                   "rows": list(v.rows), "rule": (v.rules or [""])[0]}
+        rep.sample = _sample(tokenizer, seqs, ref, first_bad)
+        report.engines.append(rep)
+        if progress:
+            progress(1)
+    return report

@@ -1,0 +1,75 @@
+"""Mutation check: hypothesis must find, and shrink, a failure for every known bug.
+
+Each single-point mutation of the realignment index math (specdec/mutants.py) and each
+known-bad engine (specdec/forensics/known_bad.py) runs over ``cases()``; ``hypothesis.find``
+searches for a case where some property breaks and shrinks it. The shrunk case must be
+small (at most 2 rows and 2 steps where the bug allows) and prints as a trace.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, find, settings
+
+from specdec import mutants
+from specdec.forensics.known_bad import KNOWN_BAD
+from strategies import cases, outcome_failures, run_case
+
+SEARCH = settings(max_examples=60, derandomize=True, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+SMALL = cases(families=("llama",), max_rows=4, max_budget=6, context=64, ks=(1, 2, 4))
+#: bugs that need more than 2 steps or rows to show (none known so far)
+LARGER = {}
+
+
+def shrink(run):
+    calls = {"n": 0, "first": None}
+
+    def fails(case):
+        calls["n"] += 1
+        bad = bool(outcome_failures(run(case)))
+        if bad and calls["first"] is None:
+            calls["first"] = calls["n"]
+        return bad
+
+    case = find(SMALL, fails, settings=SEARCH)
+    return case, calls["first"]
+
+
+def report(name, case, first, outcome):
+    print(f"\n{name}: first failure after {first} examples; shrunk to {case.rows} rows, "
+          f"{outcome.steps()} steps: lengths={case.lengths} budget={case.budget} k={case.k} "
+          f"batch_size={case.batch_size} pattern={case.pattern} stop={case.stop}")
+    print("  broken:", "; ".join(sorted(set(outcome_failures(outcome)))[:4]))
+    if outcome.violations:
+        print(str(outcome.violations[0]))
+
+
+@pytest.mark.parametrize("name", mutants.NAMES)
+def test_every_index_math_mutant_is_found_and_shrunk(name):
+    def run(case):
+        return run_case(case, mutant=name)
+
+    case, first = shrink(run)
+    outcome = run(case)
+    report(name, case, first, outcome)
+    rows, steps = LARGER.get(name, (2, 2))
+    assert case.rows <= rows and outcome.steps() <= steps
+
+
+@pytest.mark.parametrize("fault", list(KNOWN_BAD))
+def test_every_known_bad_engine_is_found_and_shrunk(fault):
+    def run(case):
+        return run_case(case, known_bad=fault)
+
+    case, first = shrink(run)
+    outcome = run(case)
+    report(fault, case, first, outcome)
+    rows, steps = LARGER.get(fault, (2, 2))
+    assert case.rows <= rows and outcome.steps() <= steps
+
+
+def test_the_correct_engine_survives_the_same_search():
+    with pytest.raises(Exception, match="Could not find any examples"):
+        find(SMALL, lambda c: bool(outcome_failures(run_case(c))),
+             settings=settings(SEARCH, max_examples=40))
