@@ -10,6 +10,11 @@ exact-match rate against batch-1 greedy decoding. Writes JSON and PNG plots to -
     python benchmarks/throughput.py --model tiny:llama --draft-model tiny-draft:llama
     python benchmarks/throughput.py --drafters ngram scripted:0.3 scripted:0.6 scripted:0.9 \
         --batch-sizes 1 2 4 8 16 --strategies eqspec exspec holes
+    python benchmarks/throughput.py --strategies holes:0 holes:0.25 holes:0.5 holes:1 exspec:32
+
+A strategy may carry its option after a colon: ``holes:H`` (hole_threshold H) and
+``exspec:N`` (window N). The group column is exspec's group rate (share of steps served
+by a group of equal-length rows, without realignment).
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
     raise SystemExit(f"unknown drafter {spec!r}: ngram, model or scripted:P")
 
 
+def strategy_options(spec: str) -> tuple[str, dict]:
+    """'holes:0.3' -> ('holes', {'hole_threshold': 0.3}); 'exspec:16' -> window 16."""
+    name, _, arg = spec.partition(":")
+    if not arg:
+        return name, {}
+    if name == "holes":
+        return name, {"hole_threshold": float(arg)}
+    if name == "exspec":
+        return name, {"window": int(arg)}
+    raise SystemExit(f"strategy {spec!r}: only holes:H and exspec:N take an option")
+
+
 def phase_shares(seconds: dict) -> dict:
     decode = {p: seconds.get(p, 0.0) for p in ("draft", "verify", "commit", "realign", "checks")}
     total = sum(decode.values()) or 1.0
@@ -100,8 +117,10 @@ def main(argv=None) -> int:
     # warm-up: first calls pay for lazy initialisation; keep that out of every figure
     specdec.reference_generate(target, ids[:2], max_new_tokens=4, batch_size=2)
     for s in args.strategies:
-        engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=s, k=args.k,
-                        batch_size=2, max_new_tokens=4)
+        name, opts = strategy_options(s)
+        opts.pop("window", None)  # the warm-up batch may be smaller than a given window
+        engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=name, k=args.k,
+                        batch_size=2, max_new_tokens=4, **opts)
     t0 = time.perf_counter()
     reference = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=1)
     ref_seconds = time.perf_counter() - t0
@@ -118,8 +137,11 @@ def main(argv=None) -> int:
             stats = None
         else:
             drafter = make_drafter(dspec, reference, args.k, vocab, draft_model)
-            res = engine.generate(target, ids, drafter=drafter, strategy=strategy, k=args.k,
-                                  batch_size=b, max_new_tokens=new)
+            name, opts = strategy_options(strategy)
+            if opts.get("window", b) < b:
+                opts["window"] = b
+            res = engine.generate(target, ids, drafter=drafter, strategy=name, k=args.k,
+                                  batch_size=b, max_new_tokens=new, **opts)
             seqs, stats = res.sequences, res.stats
         secs = time.perf_counter() - t0
         n = sum(len(s) for s in seqs)
@@ -149,18 +171,20 @@ def main(argv=None) -> int:
     print(f"model {model_name}, {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
           f"{new} new tokens, k={args.k}, torch threads {torch.get_num_threads()}; "
           f"batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s")
-    head = (f"{'strategy':<9} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'vs std':>6} {'vs b1':>6} "
-            f"{'accept':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} {'exact':>6}")
+    head = (f"{'strategy':<11} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'vs std':>6} {'vs b1':>6} "
+            f"{'accept':>6} {'group':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} "
+            f"{'exact':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
         sh = r["phase_shares"] or {}
         fmt = lambda x, w=6: f"{x * 100:{w - 1}.1f}%" if x is not None else f"{'-':>{w}}"  # noqa: E731
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        print(f"{r['strategy']:<9} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
+        grp = f"{r['group_rate']:.2f}" if r["group_rate"] is not None else "-"
+        print(f"{r['strategy']:<11} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
               f"{r['tokens_per_s']:>7.1f} {r['vs_standard']:>6.2f} "
               f"{(r['vs_own_batch1'] or 0):>6.2f} "
-              f"{acc:>6} "
+              f"{acc:>6} {grp:>6} "
               f"{fmt(sh.get('draft'))} {fmt(sh.get('verify'))} {fmt(sh.get('realign'), 7)} "
               f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}%")
 
