@@ -33,6 +33,8 @@ def format_counterexample(cex: dict) -> str:
         return f"    {cex['reason']}"
     if cex.get("model") == "pool":
         return "    " + json.dumps(cex)
+    if cex.get("model") in ("holes", "exspec"):
+        return _format_rows(cex)
     lines = []
     if "old_width" in cex or "new_width" in cex:
         head = f"B={cex['batch_size']} k={cex['k']}"
@@ -57,6 +59,21 @@ def format_counterexample(cex: dict) -> str:
                          f"match={bits(r['match']) or '-'} stop={bits(r['stop'])} -> "
                          f"limit={r['limit']} accepted={r['accepted']} "
                          f"committed={r['committed']}{mark}")
+    return "\n".join("    " + line for line in lines)
+
+
+def _format_rows(cex: dict) -> str:
+    """A holes/exspec counterexample: its scalars on one line, then one line per row
+    (valid bits as 0/1 strings, positions and destinations as lists)."""
+    show = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731
+    head = [f"{k}={v}" for k, v in cex.items()
+            if k not in ("model", "rows", "violating_rows") and not isinstance(v, (list, dict))]
+    lines = [f"{cex['model']} " + " ".join(head)]
+    bad = set(cex.get("violating_rows", []))
+    for b, r in enumerate(cex.get("rows", [])):
+        mark = "   <- violates" if b in bad else ""
+        lines.append(f"row {b}: " + "  ".join(f"{k}=[{show(v)}]" if isinstance(v, list) else
+                                              f"{k}={v}" for k, v in r.items()) + mark)
     return "\n".join("    " + line for line in lines)
 
 

@@ -14,7 +14,7 @@ and keeps the first that is still satisfiable) and reports the time spent. Befor
 checks that the assumptions are satisfiable (status "vacuous" otherwise), so no
 obligation is "proved" from an impossible situation.
 
-Strategy modules (``proofs/eqspec.py``, later ``holes``/``exspec``) and the others
+Strategy modules (``proofs/eqspec.py``, ``holes.py``, ``exspec.py``) and the others
 (``acceptance``, ``pool``) each expose ``obligations() -> list[Obligation]``; the list of
 modules is ``proofs.registry.MODULES``.
 """

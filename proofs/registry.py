@@ -1,7 +1,6 @@
 """Which modules hold obligations, in report order.
 
-One module per realignment strategy (``STRATEGIES``; add ``"holes": "proofs.holes"`` and
-``"exspec": "proofs.exspec"`` when they exist), then the strategy-independent ones. A
+One module per realignment strategy (``STRATEGIES``), then the strategy-independent ones. A
 module only has to expose ``obligations(**options) -> list[proofs.core.Obligation]``
 (options it does not take are not passed) and, for replayable counterexamples, put
 ``"strategy"``, ``"k"``, ``"old_width"`` and per-row ``"n"``/``"m"`` in its witnesses.
@@ -14,6 +13,8 @@ import inspect
 
 STRATEGIES = {
     "eqspec": "proofs.eqspec",
+    "holes": "proofs.holes",
+    "exspec": "proofs.exspec",
 }
 
 OTHERS = {
