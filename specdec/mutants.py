@@ -33,6 +33,10 @@ class Mutant:
     description: str
     make: Callable[[Callable], Callable]  # original function -> mutated function
     invariants: tuple  # the invariants it breaks (what a checker should report)
+    # the realignment strategy whose engine runs (and whose proofs, proofs.registry group)
+    # the mutated function: "eqspec" for the contiguous-profile math, "holes" for the
+    # hole profile and compaction
+    strategy: str = "eqspec"
 
 
 def _padding_plus_one(orig):
@@ -74,6 +78,28 @@ def _source_off_by_one(orig):
     return source_slot
 
 
+def _compact_dest_off_by_one(orig):
+    def compact_dest_slot(ops, valid, pos, pad_new, trash):
+        # valid slots land one slot to the right: the pending token reaches the trash
+        # column and slot pad' receives nothing
+        return ops.where(valid, orig(ops, valid, pos, pad_new, trash) + 1, trash + 0 * pos)
+    return compact_dest_slot
+
+
+def _holes_keeps_first_rejected(orig):
+    def holes_slot_valid(i, k, committed):
+        # the first rejected draft d_m (extended index m - 1) stays valid too
+        return orig(i, k, committed) | (i == committed - 1)
+    return holes_slot_valid
+
+
+def _holes_pending_position_plus_one(orig):
+    def holes_slot_position(ops, i, k, n, committed):
+        # the new pending token gets position n' instead of n' - 1
+        return orig(ops, i, k, n, committed) + ops.where(i == k, 1 + 0 * i, 0 * i)
+    return holes_slot_position
+
+
 CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
     Mutant("padding_off_by_one", "new_padding",
            "new left padding is one slot too many (W' - n_new + 1): a real token is masked",
@@ -93,9 +119,23 @@ CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
     Mutant("source_off_by_one", "source_slot",
            "every gather reads the extended slot one to the right (j + shift + 1)",
            _source_off_by_one, ("I6", "I5", "I7")),
+    Mutant("compact_dest_off_by_one", "compact_dest_slot",
+           "compaction sends each valid slot to pad' + position + 1 (the pending token is dropped)",
+           _compact_dest_off_by_one, ("I6", "I5", "I7"), strategy="holes"),
+    Mutant("holes_keeps_first_rejected", "holes_slot_valid",
+           "after a holes step the first rejected draft stays valid (a kept token never committed)",
+           _holes_keeps_first_rejected, ("I3", "I6", "I7"), strategy="holes"),
+    Mutant("holes_pending_position_plus_one", "holes_slot_position",
+           "after a holes step the new pending token gets position n' (a gap before it)",
+           _holes_pending_position_plus_one, ("I3", "I7"), strategy="holes"),
 )}
 
 NAMES = tuple(CATALOGUE)
+
+
+def names(strategy: str) -> tuple:
+    """The mutants of one strategy's index math (``Mutant.strategy``)."""
+    return tuple(n for n, m in CATALOGUE.items() if m.strategy == strategy)
 
 
 @contextlib.contextmanager
