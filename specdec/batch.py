@@ -106,6 +106,18 @@ def left_pad(prompts: list[list[int]], device=None):
     return tokens, valid, positions, lengths
 
 
+def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """[count] long: indices of the True entries of ``mask`` ([B] bool), in order, when the
+    host already knows how many there are (a stable sort instead of ``nonzero``, which
+    would read the device)."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
+
+
+def host_rows(rows: list, device) -> torch.Tensor:
+    """A host list of row indices on ``device``, copied without waiting for the stream."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 def compact_sources(valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                     width: int) -> torch.Tensor:
     """Source slot of every slot of the contiguous layout at ``width`` (0 on padding).

@@ -29,7 +29,7 @@ from invariants.view import ForwardRecord, StepView
 
 from . import acceptance, layout
 from . import cache as cache_mod
-from .batch import RaggedBatch, left_pad
+from .batch import RaggedBatch, left_pad, rows_where
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
 from .strategies import eqspec, exspec, holes
@@ -351,8 +351,9 @@ def sync(ctx: Context, batch: RaggedBatch, spec: Spec) -> HostStep:
 
 def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
     """Hand the rows that finished this step to ``done`` (row_ids, output, generated)."""
-    if any(host.finished):
-        fin = torch.nonzero(batch.finished).squeeze(1)
+    count = sum(host.finished)
+    if count:
+        fin = rows_where(batch.finished, count)
         done.append((batch.row_ids[fin], batch.output[fin], batch.generated[fin]))
 
 

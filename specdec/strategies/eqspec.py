@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout
-from ..batch import PAD_FILL, RaggedBatch
+from ..batch import PAD_FILL, RaggedBatch, rows_where
 
 
 def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_width: int,
@@ -74,5 +74,5 @@ def capacity(ctx, width: int, max_budget: int) -> int:
 
 def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     """Drop the finished rows and right-align the rest at the new minimal width."""
-    rows = torch.nonzero(~batch.finished).squeeze(1)
+    rows = rows_where(~batch.finished, host.finished.count(False))
     return realign(batch, spec.predictions, spec.committed, rows, host.max_n, ctx.k)

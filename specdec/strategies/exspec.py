@@ -58,7 +58,7 @@ import torch
 
 from .. import cache as cache_mod
 from .. import layout
-from ..batch import PAD_FILL, RaggedBatch
+from ..batch import PAD_FILL, RaggedBatch, host_rows
 
 #: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
 PROFILE = "grouped"
@@ -128,7 +128,7 @@ def admit(ctx, pool: Pool) -> None:
                            [pool.budget_list[r] for r in reqs],
                            capacity=lambda w, mb: max(w, 1))
     t = time.perf_counter()
-    R = torch.tensor(rows, dtype=torch.long, device=batch.device)
+    R = host_rows(rows, batch.device)
     dest = layout.compact_dest_slot(layout.TORCH, batch.valid, batch.positions, 0, pool.trash)
     pool.tokens[R[:, None].expand_as(dest), dest] = batch.tokens
     cw = layout.cache_width(batch.width)
@@ -165,7 +165,7 @@ def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
     """The compute batch of pool rows ``rows``, right-aligned at the longest row's width;
     the caches are loaded from the pool (one gather each) unless ``reuse``."""
     dev = pool.tokens.device
-    R = torch.tensor(rows, dtype=torch.long, device=dev)
+    R = host_rows(rows, dev)
     w = max(pool.n[p] for p in rows)
     n = pool.lengths.index_select(0, R)
     j = torch.arange(w, device=dev)[None, :]
@@ -195,7 +195,7 @@ def write_back(ctx, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> N
     """Scatter the step's new KV slots, committed tokens and outputs into the pool rows;
     update the host lengths; free the rows that finished."""
     k, dev = ctx.k, batch.device
-    R = torch.tensor(rows, dtype=torch.long, device=dev)
+    R = host_rows(rows, dev)
     n = batch.lengths
     i = torch.arange(k + 1, device=dev)[None, :]
     dest = layout.verify_position(n[:, None], i)  # pool slots of pending, d_1 .. d_k

@@ -70,7 +70,7 @@ import torch
 
 from .. import cache as cache_mod
 from .. import layout
-from ..batch import PAD_FILL, RaggedBatch, compact_sources
+from ..batch import PAD_FILL, RaggedBatch, compact_sources, rows_where
 
 #: the layout profile of every view (DESIGN.md I2)
 PROFILE = "holes"
@@ -123,8 +123,8 @@ def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     positions = torch.cat([batch.positions, ext_pos], dim=1)
     lengths = layout.new_length(n, m)
 
-    keep = [r for r, f in enumerate(host.finished) if not f]
-    rows = None if len(keep) == b else torch.tensor(keep, dtype=torch.long, device=dev)
+    kept = host.finished.count(False)
+    rows = None if kept == b else rows_where(~batch.finished, kept)
     sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
     tokens, valid, positions, lengths = sel(tokens), sel(valid), sel(positions), sel(lengths)
 
