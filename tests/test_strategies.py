@@ -14,6 +14,7 @@ import specdec
 from conftest import tiny_pair
 from specdec import cache as cache_mod
 from specdec import drafters, models
+from specdec.strategies import exspec as exspec_mod
 from specdec.strategies import holes as holes_mod
 from strategies import MIXED_LENGTHS, random_prompts
 
@@ -301,6 +302,7 @@ class PoolRecorder:
         self.count, self.window = count, window
         self.profiles, self.prefills, self.finish_order = [], 0, []
         self.active_seen = set()
+        self.last_served, self.max_wait = {}, 0
 
     def __call__(self, phase, view):
         pool = view.info["pool"]
@@ -315,6 +317,12 @@ class PoolRecorder:
             self.prefills += 1
         if phase == "draft":
             self.profiles.append(view.profile)
+            served = set(view.row_ids.tolist())
+            for r in a:  # steps an active request waited since its admission or last step
+                self.last_served.setdefault(r, view.step)
+                if r in served:
+                    self.max_wait = max(self.max_wait, view.step - self.last_served[r])
+                    self.last_served[r] = view.step + 1
 
 
 def test_exspec_groups_equal_lengths_and_reuses_the_group(monkeypatch):
@@ -352,6 +360,9 @@ def test_exspec_fallback_refill_order_and_conservation():
     assert len(set(rec.finish_order)) == len(rec.finish_order) > len(prompts) // 2
     assert rec.finish_order != sorted(rec.finish_order)  # finished out of order
     assert 0.0 <= res.stats.group_rate < 1.0
+    # shortest-first fallback with patience: no request waits much beyond the patience
+    rounds = -(-6 // 3)
+    assert rec.max_wait <= (exspec_mod.PATIENCE + 1) * rounds + 1, rec.max_wait
 
 
 def test_exspec_group_rate_on_a_mixed_workload():

@@ -16,8 +16,16 @@ sync per step) picks ``G = min(batch_size, active)`` rows:
    is (cropped to the new width, **no copy at all**);
 2. else a full group, ``G`` rows of equal length (the bucket holding the least recently
    served row; in it the least recently served rows): grouped profile, no padding;
-3. else the fallback: the ``G`` least recently served rows, right-aligned at the width of
-   the longest (EQSPEC's contiguous profile, minimal width).
+3. else the fallback: the ``G`` shortest rows, except that a row left unserved for more
+   than ``PATIENCE`` round-robin rounds (``PATIENCE * ceil(active / G)`` steps) comes
+   first (also before cases 1 and 2, unless the group holds the row that waited longest,
+   so no row waits much longer than that); right-aligned at the width of the longest
+   (EQSPEC's contiguous profile, minimal width). Shortest-first lets short rows catch up with longer ones, which is what forms
+   groups (with the least-recently-served order instead, the group rate on the tiny llama
+   with 24 mixed prompts, k = 4, batch 4, window 16 was 0.00 with the n-gram drafter and
+   0.02 with a scripted one at acceptance 0.5; shortest-first with patience 2: 0.46 and
+   0.29, with the same number of steps within 1%); it also keeps the fallback's padding
+   small. The patience bounds how long a long row waits.
 
 Cases 2 and 3 load the chosen rows into the compute batch (``build``): pool slot
 ``slot_position(j, W - n)`` to compute slot ``j`` (EQSPEC's right-alignment, done by the
@@ -63,6 +71,8 @@ from ..batch import PAD_FILL, RaggedBatch, host_rows
 #: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
 PROFILE = "grouped"
 FALLBACK_PROFILE = "contiguous"
+#: round-robin rounds a row may wait before the fallback serves it before shorter rows
+PATIENCE = 2
 
 
 def default_window(batch_size: int) -> int:
@@ -83,7 +93,7 @@ class Pool:
         # host state per pool row
         self.rid = [-1] * size       # request served, -1 when free
         self.n = [0] * size          # its length (prompt + committed)
-        self.served = [-1] * size    # step it was last served (fairness)
+        self.served = [0] * size     # step it was last served or admitted (fairness)
         self.waiting = deque(range(len(prompts)))
         self.finished: list = []
         self.prefills = 0
@@ -123,7 +133,7 @@ def admit(ctx, pool: Pool) -> None:
     ctx.batch_index = pool.prefills  # 0 only for the run's first prefill (monitor resets)
     pool.prefills += 1
     for p, r in zip(rows, reqs):  # host bookkeeping first: the prefill view shows it
-        pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), -1
+        pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), ctx.step
     batch = engine.prefill(ctx, [pool.prompts[r] for r in reqs], reqs,
                            [pool.budget_list[r] for r in reqs],
                            capacity=lambda w, mb: max(w, 1))
@@ -144,21 +154,27 @@ def admit(ctx, pool: Pool) -> None:
     ctx.stats.seconds["prefill"] += time.perf_counter() - t
 
 
-def schedule(pool: Pool, batch_size: int, reusable: list | None):
+def schedule(pool: Pool, batch_size: int, reusable: list | None, step: int):
     """(pool rows, grouped, reuse) of the next step (host only; see module docstring)."""
     active = pool.active()
     g = min(batch_size, len(active))
-    if reusable is not None and len(reusable) == g:
-        return reusable, True, True
+    patience = PATIENCE * -(-len(active) // g)
     key = lambda p: (pool.served[p], pool.rid[p])  # noqa: E731 least recently served, oldest
+    starved = [p for p in active if step - pool.served[p] > patience]
+    if reusable is not None and len(reusable) == g and not starved:
+        return reusable, True, True
     buckets: dict = {}
     for p in active:
         buckets.setdefault(pool.n[p], []).append(p)
     full = [ps for ps in buckets.values() if len(ps) >= g]
+    if starved:  # a group may serve only if it takes the row that waited longest
+        first = min(starved, key=key)
+        full = [ps for ps in full if first in ps]
     if full:
         best = min(full, key=lambda ps: min(map(key, ps)))
         return sorted(sorted(best, key=key)[:g]), True, False
-    return sorted(sorted(active, key=key)[:g]), False, False
+    order = sorted(active, key=lambda p: (p not in starved, pool.n[p]) + key(p))
+    return sorted(order[:g]), False, False
 
 
 def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
@@ -232,7 +248,7 @@ def run(ctx, ids: list, *, batch_size: int, max_new_tokens: int, window: int, do
     reusable = None
     while pool.active():
         t = time.perf_counter()
-        rows, grouped, reuse = schedule(pool, batch_size, reusable)
+        rows, grouped, reuse = schedule(pool, batch_size, reusable, ctx.step)
         batch = build(pool, rows, reuse, tcache, dcache)
         ctx.profile = PROFILE if grouped else FALLBACK_PROFILE
         engine._timed(ctx, "realign", t)
