@@ -228,28 +228,34 @@ from hypothesis import strategies as st  # noqa: E402
 PATTERN_KINDS = ("all_zero", "all_max", "one_lagging", "alternating", "staircase", "random")
 
 
+def shape_pattern(kind: str, row: int, rows: int, k: int, steps: int, drawn: list) -> list:
+    """Row ``row``'s accepted count per step under pattern ``kind`` (``drawn``: the row's own
+    random counts, used by "random" and to pick the lagging row)."""
+    if kind == "all_zero":
+        return [0] * steps
+    if kind == "all_max":
+        return [k] * steps
+    if kind == "one_lagging":
+        return [0 if row == 0 else k] * steps  # row 0 lags (shrinking keeps it first)
+    if kind == "alternating":
+        return [(k if (row + s) % 2 else 0) for s in range(steps)]
+    if kind == "staircase":
+        return [min(k, (row + s) % (k + 1)) for s in range(steps)]
+    return [min(a, k) for a in drawn]
+
+
 @st.composite
 def acceptance_patterns(draw, rows: int, k: int, steps: int):
     """Per row, per step, the accepted count in [0, k] an engine must produce."""
     kind = draw(st.sampled_from(PATTERN_KINDS))
-    if kind == "all_zero":
-        return [[0] * steps for _ in range(rows)]
-    if kind == "all_max":
-        return [[k] * steps for _ in range(rows)]
-    if kind == "one_lagging":
-        lag = draw(st.integers(0, rows - 1))
-        return [[0 if r == lag else k] * steps for r in range(rows)]
-    if kind == "alternating":
-        return [[(k if (r + s) % 2 else 0) for s in range(steps)] for r in range(rows)]
-    if kind == "staircase":
-        return [[min(k, (r + s) % (k + 1)) for s in range(steps)] for r in range(rows)]
-    return [draw(st.lists(st.integers(0, k), min_size=1, max_size=steps)) for _ in range(rows)]
+    drawn = [draw(st.lists(st.integers(0, k), min_size=1, max_size=steps)) for _ in range(rows)]
+    return [shape_pattern(kind, r, rows, k, steps, drawn[r]) for r in range(rows)]
 
 
-def prompt_lengths(rows: int, context: int, budget: int):
-    """Mixed prompt lengths from 1 token to near the context limit (prompt + budget <= context)."""
-    top = context - budget
-    return st.lists(st.one_of(st.integers(1, 12), st.integers(1, top)), min_size=rows, max_size=rows)
+def prompt_length(context: int, budget: int):
+    """A prompt length from 1 token to near the context limit (prompt + budget <= context),
+    mostly short so that batches mix short and long rows."""
+    return st.one_of(st.integers(1, 12), st.integers(1, context - budget))
 
 
 def stop_placements(rows: int, budget: int):
@@ -271,6 +277,7 @@ class Case:
     stop: tuple | None
     seed: int = 0
     note: dict = field(default_factory=dict)
+    strategy: str = "eqspec"
 
     @property
     def rows(self) -> int:
@@ -279,17 +286,28 @@ class Case:
 
 @st.composite
 def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows: int = 16,
-          max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8)):
-    rows = draw(st.integers(1, max_rows))
+          max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
+          strategies=("eqspec", "exspec", "holes")):
+    """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts)
+    so that shrinking deletes whole rows; the pattern kind shapes every row's counts."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
-    lengths = draw(prompt_lengths(rows, context, budget))
-    batch_size = draw(st.integers(1, max(1, rows)))
-    pattern = draw(acceptance_patterns(rows, k, max(1, budget)))
+    kind = draw(st.sampled_from(PATTERN_KINDS))
+    row = st.tuples(prompt_length(context, budget),
+                    st.lists(st.integers(0, k), min_size=1, max_size=budget))
+    drawn = draw(st.lists(row, min_size=1, max_size=max_rows))
+    rows = len(drawn)
+    lengths = [length for length, _ in drawn]
+    pattern = [shape_pattern(kind, r, rows, k, budget, counts) for r, (_, counts) in enumerate(drawn)]
+    # drawn independently of the row count (then capped) so that deleting a row while
+    # shrinking never invalidates the batch size
+    batch_size = min(draw(st.integers(1, max_rows)), rows)
     stop = draw(stop_placements(rows, budget))
     seed = draw(st.integers(0, 3))
-    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed)
+    strategy = draw(st.sampled_from(strategies))
+    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed, note={"kind": kind},
+                strategy=strategy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,7 +365,14 @@ class Outcome:
     stops: list
 
     def steps(self) -> int:
+        """Verify steps run (over all batches)."""
         return len(self.commits)
+
+    def steps_to_failure(self) -> int:
+        """Steps up to and including the first violation's (all steps when none)."""
+        if self.violations:
+            return self.violations[0].step + 1
+        return self.steps()
 
 
 class CommitRecorder:
@@ -360,7 +385,7 @@ class CommitRecorder:
                                  view.accepted.tolist(), view.committed.tolist()))
 
 
-def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, mutant=None, target=None,
+def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=None, target=None,
              raise_on_violation: bool = False) -> Outcome:
     """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default).
 
@@ -376,7 +401,7 @@ def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, mutant=Non
     target = target if target is not None else tiny_target(case.family)
     prompts = case_prompts(case)
     free = free_reference(target, prompts, case.budget,
-                          key=(case.family, tuple(case.lengths), case.budget, case.seed))
+                          key=(id(target), tuple(case.lengths), case.budget, case.seed))
     stops = models.stop_token_ids(target)
     if case.stop is not None:
         row, off = case.stop
@@ -394,6 +419,7 @@ def run_case(case: Case, *, strategy: str = "eqspec", known_bad=None, mutant=Non
     drafter.propose = propose
     mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
     rec = CommitRecorder()
+    strategy = strategy or case.strategy
     with mutants.apply(mutant) if mutant else contextlib.nullcontext():
         seqs = _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, [mon, rec])
     violations = mon.check()

@@ -7,9 +7,9 @@ a ForcingDrafter under a strict Monitor. Profiles: HYPOTHESIS_PROFILE=ci|dev|tho
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, note
+from hypothesis import HealthCheck, given, note, settings
 
-from strategies import cases, run_case
+from strategies import cases, outcome_failures, run_case
 
 CASES = cases()
 
@@ -58,3 +58,17 @@ def test_budgets_and_stop_tokens_are_respected(case):
         assert 1 <= len(seq) <= case.budget
         assert not any(t in o.stops for t in seq[:-1])
         assert len(seq) == case.budget or seq[-1] in o.stops
+
+
+REAL_CASES = cases(families=("llama",), max_rows=4, max_budget=8, context=200, ks=(2, 4))
+
+
+@pytest.mark.real
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(REAL_CASES)
+def test_every_property_holds_on_the_real_model(real_model, case):
+    """The same properties over SmolLM2-135M-Instruct (loaded once per session)."""
+    o = run_case(case, target=real_model[0])
+    explain(case, o)
+    assert not outcome_failures(o), outcome_failures(o)
