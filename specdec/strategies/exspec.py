@@ -154,8 +154,11 @@ def admit(ctx, pool: Pool) -> None:
     ctx.stats.seconds["prefill"] += time.perf_counter() - t
 
 
-def schedule(pool: Pool, batch_size: int, reusable: list | None, step: int):
-    """(pool rows, grouped, reuse) of the next step (host only; see module docstring)."""
+def schedule(pool: Pool, batch_size: int, reusable: list | None, step: int | None = None):
+    """(pool rows, grouped, reuse) of the next step (host only; see module docstring).
+    ``step``: steps run so far (default: the latest step any pool row was served at)."""
+    if step is None:
+        step = max(pool.served)
     active = pool.active()
     g = min(batch_size, len(active))
     patience = PATIENCE * -(-len(active) // g)
