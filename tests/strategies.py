@@ -368,11 +368,28 @@ class Outcome:
         """Verify steps run (over all batches)."""
         return len(self.commits)
 
+    def divergence_step(self) -> int | None:
+        """1-based step (over all batches) that committed the first wrong token, if any."""
+        first = None
+        for row_id, (got, want) in enumerate(zip(self.sequences, self.reference)):
+            if got == want:
+                continue
+            j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            total = 0
+            for step, (rows, _, _, committed) in enumerate(self.commits, start=1):
+                if row_id in rows:
+                    total += committed[rows.index(row_id)]
+                    if total > j:
+                        first = step if first is None else min(first, step)
+                        break
+        return first
+
     def steps_to_failure(self) -> int:
-        """Steps up to and including the first violation's (all steps when none)."""
+        """Steps up to the first violation or the first wrong token (all steps when none)."""
+        marks = [s for s in (self.divergence_step(),) if s is not None]
         if self.violations:
-            return self.violations[0].step + 1
-        return self.steps()
+            marks.append(self.violations[0].step + 1)
+        return min(marks) if marks else self.steps()
 
 
 class CommitRecorder:
