@@ -323,7 +323,8 @@ def num_hidden_layers(model: torch.nn.Module) -> int:
     raise ValueError(f"cannot find the number of layers in {type(cfg).__name__}")
 
 
-def forward(model, input_ids, positions, attention_mask, cache, key_positions=None):
+def forward(model, input_ids, positions, attention_mask, cache, key_positions=None,
+            last_logits: bool = False):
     """One forward of ``model`` over new tokens with explicit positions and mask.
 
     input_ids:      [B, q] long
@@ -332,7 +333,9 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     key_positions:  [B, cache.width + q] long or None: position of every mask column.
                     Given when slots may have holes; for a sliding-window model the mask
                     is then built from positions (``position_mask``), otherwise unused.
-    Returns logits [B, q, V] and advances the cache by q.
+    last_logits:    compute the LM head at the last new token only (prefill: the head over
+                    every prompt slot would cost more than the whole transformer).
+    Returns logits [B, q, V] ([B, 1, V] with last_logits) and advances the cache by q.
     """
     q = input_ids.shape[1]
     mask = attention_mask.long()
@@ -345,6 +348,7 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
         position_ids=positions,
         attention_mask=mask,
         use_cache=True,
+        logits_to_keep=1 if last_logits else 0,
         **{CACHE_KWARG: cache},
     )
     if isinstance(cache, SlabCache):

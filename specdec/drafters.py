@@ -60,7 +60,7 @@ class ModelDrafter:
         w = batch.width
         if w > 1:
             cache_mod.forward(self.model, batch.tokens[:, : w - 1], batch.positions[:, : w - 1],
-                              batch.valid[:, : w - 1], batch.draft_cache)
+                              batch.valid[:, : w - 1], batch.draft_cache, last_logits=True)
 
     @torch.no_grad()
     def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:

@@ -242,7 +242,7 @@ def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets:
     cw = layout.cache_width(w)
     if cw > 0:
         ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
-        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache)
+        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
         record = ForwardRecord(ids, pos, mask, 0)
     ctx.drafter.prefill(batch)
     _timed(ctx, "prefill", t0)

@@ -47,7 +47,7 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     cache = cache_mod.new_cache(target, w + max_new_tokens + 1)
-    logits = cache_mod.forward(target, tokens, positions, valid, cache)[:, -1]
+    logits = cache_mod.forward(target, tokens, positions, valid, cache, last_logits=True)[:, -1]
     mask = valid
     pos = lengths.clone()
     outs, margs = [], []

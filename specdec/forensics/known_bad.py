@@ -71,8 +71,9 @@ GUARD_VISIBLE = ("implicit_positions", "mask_all_ones", "crop_to_batch_min")
 DESYNCS = ("implicit_positions", "mask_all_ones", "accept_first_mismatch", "crop_to_batch_min")
 
 
-def _forward(model, ids, positions, mask, cache, fault):
-    kwargs = {"input_ids": ids, "attention_mask": mask.long(), "use_cache": True, CACHE_KWARG: cache}
+def _forward(model, ids, positions, mask, cache, fault, keep=0):
+    kwargs = {"input_ids": ids, "attention_mask": mask.long(), "use_cache": True,
+              "logits_to_keep": keep, CACHE_KWARG: cache}
     if fault == "mask_all_ones":
         kwargs["attention_mask"] = torch.ones_like(mask, dtype=torch.long)
     if fault != "implicit_positions":
@@ -160,7 +161,7 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
     # prefill: every slot but the pending token
     if w > 1:
         pos = _model_positions(valid[:, : w - 1], positions[:, : w - 1], fault)
-        _forward(target, tokens[:, : w - 1], pos, valid[:, : w - 1], cache, fault)
+        _forward(target, tokens[:, : w - 1], pos, valid[:, : w - 1], cache, fault, keep=1)
         given = valid[:, : w - 1] if fault != "mask_all_ones" else torch.ones_like(valid[:, : w - 1])
         emit("prefill", forward=ForwardRecord(tokens[:, : w - 1], pos, given, 0))
     else:
