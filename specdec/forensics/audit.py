@@ -40,6 +40,7 @@ class EngineReport:
     exact_match: float = 0.0
     near_ties: int = 0
     desyncs: int = 0
+    overruns: int = 0  # rows whose output runs on past the reference's stop (prefix exact)
     violations: int = 0
     first_violation: dict | None = None
     sample: str | None = None  # a short excerpt of corrupted text
@@ -70,7 +71,7 @@ class Report:
 
     def table(self) -> str:
         head = (f"{'engine':<22} {'ok?':<4} {'tok/s':>7} {'speedup':>7} {'accept':>6} "
-                f"{'exact':>6} {'ties':>4} {'desync':>6} {'viol':>5}  first violation")
+                f"{'exact':>6} {'ties':>4} {'desync':>6} {'overrun':>7} {'viol':>5}  first violation")
         lines = [head, "-" * (len(head) + 18)]
         for e in self.engines:
             fv = e.first_violation
@@ -81,7 +82,7 @@ class Report:
             sp = f"{e.speedup_vs_standard:.2f}x" if e.speedup_vs_standard is not None else "-"
             lines.append(f"{e.name:<22} {'yes' if e.expected_correct else 'BAD':<4} "
                          f"{e.tokens_per_s:>7.1f} {sp:>7} {acc:>6} {e.exact_match * 100:>5.0f}% "
-                         f"{e.near_ties:>4} {e.desyncs:>6} {e.violations:>5}  {first}")
+                         f"{e.near_ties:>4} {e.desyncs:>6} {e.overruns:>7} {e.violations:>5}  {first}")
         samples = [e for e in self.engines if e.sample]
         if samples:
             lines.append("")
@@ -102,7 +103,8 @@ class Report:
         (out / "report.json").write_text(json.dumps(self.as_json(), indent=2))
         md = [f"# specdec audit\n", self.header() + "\n", "```", self.table(), "```", ""]
         md.append("Near-ties: divergences where the batch-1 reference's top-2 logit margin is "
-                  "below the tolerance (numerics, not bugs). Desyncs: all others.\n")
+                  "below the tolerance (numerics, not bugs). Overruns: output exact up to the "
+                  "reference's stop token, then more tokens. Desyncs: all other divergences.\n")
         md.append("![throughput vs exact match](exactness.png)\n\n![phase shares](phases.png)\n")
         (out / "report.md").write_text("\n".join(md))
         _plots(self, out)
@@ -155,11 +157,16 @@ def _shares(seconds: dict) -> dict:
 
 
 def _classify(seqs, reference, margins, tolerance):
-    exact = near = desync = 0
+    exact = near = desync = overrun = 0
     first_bad = None
     for row, (got, want) in enumerate(zip(seqs, reference)):
         if got == want:
             exact += 1
+            continue
+        if len(got) > len(want) and got[: len(want)] == want:
+            overrun += 1  # exact up to the reference's end (a stop token), then more tokens
+            if first_bad is None:
+                first_bad = (row, len(want) - 1)
             continue
         j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         margin = margins[row][j] if j < len(margins[row]) else None
@@ -169,7 +176,7 @@ def _classify(seqs, reference, margins, tolerance):
             desync += 1
             if first_bad is None:
                 first_bad = (row, j)
-    return exact, near, desync, first_bad
+    return exact, near, desync, overrun, first_bad
 
 
 def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | None:
@@ -245,9 +252,9 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
         if stats is not None:
             rep.acceptance = stats.acceptance
             rep.phase_shares = _shares(stats.seconds)
-        exact, near, desync, first_bad = _classify(seqs, ref, margins, tol)
+        exact, near, desync, overrun, first_bad = _classify(seqs, ref, margins, tol)
         rep.exact_match = exact / len(ids)
-        rep.near_ties, rep.desyncs = near, desync
+        rep.near_ties, rep.desyncs, rep.overruns = near, desync, overrun
         rep.violations = len(mon.violations)
         if mon.violations:
             v = mon.violations[0]
