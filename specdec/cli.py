@@ -78,9 +78,13 @@ def cmd_generate(args) -> int:
 def cmd_replay(args) -> int:
     from .forensics.replay import replay
 
-    same, report = replay(args.trace)
+    try:
+        same, report = replay(args.trace)
+    except (ValueError, KeyError, OSError) as e:  # JSONDecodeError is a ValueError
+        print(f"specdec replay: cannot replay {args.trace}: {e}", file=sys.stderr)
+        return 2
     print(report)
-    return 0 if same else 1
+    return 0 if same else 1  # 0: the saved violation (or counterexample) came back
 
 
 def cmd_audit(args) -> int:

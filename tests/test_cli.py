@@ -63,3 +63,10 @@ def test_replay_of_a_trace_without_run_spec_explains_why(tmp_path, capsys):
     path.write_text(json.dumps(data))
     assert cli.main(["replay", str(path)]) == 1
     assert "no run spec" in capsys.readouterr().out
+
+
+def test_replay_of_a_malformed_file_is_a_clean_error(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    assert cli.main(["replay", str(bad)]) == 2
+    assert "cannot replay" in capsys.readouterr().err
