@@ -478,3 +478,27 @@ def outcome_failures(o: Outcome) -> list[str]:
         if any(t in o.stops for t in s[:-1]):
             bad.append("tokens after a stop token")
     return bad
+
+
+# ---------------------------------------------------------------------------------------
+# drafters for the equivalence grids (tests/test_engine.py, tests/test_strategies.py)
+# ---------------------------------------------------------------------------------------
+
+def corrupted(seqs, vocab: int, every: int = 3):
+    """The reference with every ``every``-th token replaced: forces partial acceptance."""
+    return [[(t + 1) % vocab if i % every == every - 1 else t for i, t in enumerate(s)]
+            for s in seqs]
+
+
+def make_drafter(kind: str, draft_model, ref, vocab: int):
+    """The grid's drafter of ``kind``: ngram, model (``draft_model``) or scripted
+    (the corrupted reference)."""
+    from specdec import drafters
+
+    if kind == "ngram":
+        return drafters.NGramDrafter()
+    if kind == "model":
+        return drafters.ModelDrafter(draft_model)
+    if kind == "scripted":
+        return drafters.ScriptedDrafter(corrupted(ref, vocab))
+    raise AssertionError(kind)

@@ -7,7 +7,7 @@ import torch
 
 import specdec
 from specdec import drafters, models
-from strategies import MIXED_LENGTHS, hf_greedy, random_prompts
+from strategies import MIXED_LENGTHS, hf_greedy, make_drafter, random_prompts
 from conftest import tiny_pair
 
 NEW = 24  # new tokens per row in the equivalence grid
@@ -23,21 +23,8 @@ def reference(family: str, prompts_key: str = "mixed"):
     return _REF[family, prompts_key]
 
 
-def corrupted(seqs, every: int = 3):
-    """The reference with every ``every``-th token replaced: forces partial acceptance."""
-    return [[(t + 1) % models.TINY_VOCAB if i % every == every - 1 else t for i, t in enumerate(s)]
-            for s in seqs]
-
-
-def make_drafter(kind: str, family: str, ref):
-    target, draft = tiny_pair(family)
-    if kind == "ngram":
-        return drafters.NGramDrafter()
-    if kind == "model":
-        return drafters.ModelDrafter(draft)
-    if kind == "scripted":
-        return drafters.ScriptedDrafter(corrupted(ref))
-    raise AssertionError(kind)
+def grid_drafter(kind: str, family: str, ref):
+    return make_drafter(kind, tiny_pair(family)[1], ref, models.TINY_VOCAB)
 
 
 def test_reference_equals_hugging_face_generate_at_batch_1(family):
@@ -59,7 +46,7 @@ def test_left_padded_reference_equals_batch_1(family):
 def test_eqspec_equals_batch_1_greedy(family, batch_size, k, drafter_kind):
     target, _ = tiny_pair(family)
     prompts, ref = reference(family)
-    res = specdec.generate(target, prompts, drafter=make_drafter(drafter_kind, family, ref),
+    res = specdec.generate(target, prompts, drafter=grid_drafter(drafter_kind, family, ref),
                            k=k, batch_size=batch_size, max_new_tokens=NEW)
     for i, (got, want) in enumerate(zip(res.sequences, ref)):
         assert got == want, f"row {i} (prompt length {len(prompts[i])}) diverges"
@@ -70,7 +57,7 @@ def test_partial_acceptance_is_exercised(family):
     target, _ = tiny_pair(family)
     prompts, ref = reference(family)
     for kind in ("model", "scripted"):
-        res = specdec.generate(target, prompts, drafter=make_drafter(kind, family, ref), k=4,
+        res = specdec.generate(target, prompts, drafter=grid_drafter(kind, family, ref), k=4,
                                batch_size=8, max_new_tokens=NEW)
         assert 0.0 < res.stats.acceptance < 1.0, (kind, res.stats.acceptance)
 
@@ -105,7 +92,7 @@ def test_committed_tokens_per_step_are_between_1_and_k_plus_1(family):
     target, _ = tiny_pair(family)
     prompts, ref = reference(family)
     rec = AcceptedRecorder()
-    specdec.generate(target, prompts, drafter=make_drafter("model", family, ref), k=4,
+    specdec.generate(target, prompts, drafter=grid_drafter("model", family, ref), k=4,
                      batch_size=8, max_new_tokens=NEW, hooks=[rec])
     for limit, accepted, committed in rec.steps:
         assert bool(((committed >= 1) & (committed <= 5) & (accepted <= limit)).all())

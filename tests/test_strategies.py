@@ -16,7 +16,7 @@ from specdec import cache as cache_mod
 from specdec import drafters, models
 from specdec.strategies import exspec as exspec_mod
 from specdec.strategies import holes as holes_mod
-from strategies import MIXED_LENGTHS, random_prompts
+from strategies import MIXED_LENGTHS, corrupted, make_drafter, random_prompts
 
 STRATEGIES = ("holes", "exspec")
 NEW = 16  # new tokens per row in the equivalence grid
@@ -33,21 +33,8 @@ def reference(family: str):
     return _REF[family]
 
 
-def corrupted(seqs, every: int = 3):
-    """The reference with every ``every``-th token replaced: forces partial acceptance."""
-    return [[(t + 1) % models.TINY_VOCAB if i % every == every - 1 else t for i, t in enumerate(s)]
-            for s in seqs]
-
-
-def make_drafter(kind: str, family: str, ref):
-    _, draft = tiny_pair(family)
-    if kind == "ngram":
-        return drafters.NGramDrafter()
-    if kind == "model":
-        return drafters.ModelDrafter(draft)
-    if kind == "scripted":
-        return drafters.ScriptedDrafter(corrupted(ref))
-    raise AssertionError(kind)
+def grid_drafter(kind: str, family: str, ref):
+    return make_drafter(kind, tiny_pair(family)[1], ref, models.TINY_VOCAB)
 
 
 def run(target, prompts, strategy, *, monitor=True, hooks=(), **kw):
@@ -71,7 +58,7 @@ def test_equals_batch_1_greedy_under_the_strict_monitor(family, strategy, batch_
                                                         drafter_kind):
     target, _ = tiny_pair(family)
     prompts, ref = reference(family)
-    res = run(target, prompts, strategy, drafter=make_drafter(drafter_kind, family, ref), k=k,
+    res = run(target, prompts, strategy, drafter=grid_drafter(drafter_kind, family, ref), k=k,
               batch_size=batch_size, max_new_tokens=NEW)
     for i, (got, want) in enumerate(zip(res.sequences, ref)):
         assert got == want, f"row {i} (prompt length {len(prompts[i])}) diverges"
@@ -220,7 +207,7 @@ def test_holes_capacity_compaction_when_the_cache_is_full(monkeypatch):
     target, _ = tiny_pair("gpt2")
     prompts, ref = reference("gpt2")
     monkeypatch.setattr(holes_mod, "capacity", lambda ctx, w, mb: w + mb + ctx.k + 1)
-    res = run(target, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref)), k=4,
+    res = run(target, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)), k=4,
               batch_size=3, max_new_tokens=NEW, hole_threshold=1.0)
     assert res.sequences == ref and res.stats.compactions > 0
 
@@ -261,7 +248,7 @@ def test_holes_sliding_window_beyond_the_window(monkeypatch):
     prompts = random_prompts((5, 30, 12, 40), models.TINY_VOCAB, seed=2)
     new = 40  # every row ends beyond the window
     ref = specdec.reference_generate(target, prompts, max_new_tokens=new)
-    kinds = (drafters.ScriptedDrafter(corrupted(ref)), drafters.ModelDrafter(draft))
+    kinds = (drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)), drafters.ModelDrafter(draft))
     for drafter in kinds:
         rec = WindowHoles(window)
         res = run(target, prompts, "holes", drafter=drafter, k=4, batch_size=4,
@@ -269,7 +256,7 @@ def test_holes_sliding_window_beyond_the_window(monkeypatch):
         assert res.sequences == ref and rec.seen and res.stats.compactions == 0
     # control: the slot-based mask Hugging Face would build diverges on the same run
     monkeypatch.setattr(cache_mod, "position_mask", lambda model, mask, *a: mask.long())
-    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(corrupted(ref)),
+    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)),
                            k=4, batch_size=4, max_new_tokens=new, strategy="holes",
                            hole_threshold=1.0)
     assert res.sequences != ref
@@ -288,7 +275,7 @@ def test_holes_eager_attention_sliding_window():
     model.config._attn_implementation = "eager"
     prompts = random_prompts((30, 9), models.TINY_VOCAB, seed=6)
     ref = specdec.reference_generate(model, prompts, max_new_tokens=24)
-    res = run(model, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref)), k=4,
+    res = run(model, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)), k=4,
               batch_size=2, max_new_tokens=24, hole_threshold=1.0)
     assert res.sequences == ref
 
