@@ -199,14 +199,11 @@ def resolve(name: str | None):
 
 
 def stop_token_ids(model) -> list[int]:
-    """Stop tokens from the model's generation config (a list; never from the tokenizer)."""
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    """Stop tokens from the model's generation config (a list; never from the tokenizer).
+    One rule for the engine and the checker: ``invariants.equivalence.default_stop_ids``."""
+    from invariants.equivalence import default_stop_ids
+
+    return default_stop_ids(model)
 
 
 def context_length(model) -> int | None:
