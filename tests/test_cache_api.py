@@ -78,3 +78,61 @@ def test_gather_slots_moves_all_layers_at_once():
         assert torch.equal(kk, want) and torch.equal(vv, -want)
     c.gather_slots(torch.tensor([[1]]), rows=torch.tensor([1]))
     assert c.batch_size == 1 and c.width == 1
+
+
+def _filled_slab(layers: int, rows: int, heads: int, slots: int, dim: int, dtype) -> tuple:
+    """A SlabCache whose slots hold random bit patterns (NaN payloads and signalling NaNs
+    included for float dtypes), and the [L, 2, B, H, C, D] tensor it holds."""
+    c = cache_mod.SlabCache(layers, slots + 2)
+    bits = torch.randint(-2**15, 2**15, (layers, 2, rows, heads, slots, dim), dtype=torch.int16)
+    if dtype.itemsize == 4:
+        bits = torch.randint(-2**31, 2**31 - 1, bits.shape, dtype=torch.int64).to(torch.int32)
+        bits.view(-1)[:4] = torch.tensor([0x7F800001, 0x7FC00001, -0x00800001, 0x7FBFFFFF],
+                                         dtype=torch.int32)
+    else:
+        bits.view(-1)[:2] = torch.tensor([0x7C01, 0x7F81], dtype=torch.int16)
+    kv = bits.view(dtype)
+    for layer in range(layers):
+        c.layers[layer].update(kv[layer, 0], kv[layer, 1], layer)
+    c.advance(slots)
+    return c, kv
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 64),
+                                       (torch.float16, 8), (torch.float32, 2),
+                                       (torch.float32, 3)])
+def test_realignment_moves_every_bit_pattern_unchanged(dtype, dim):
+    # the copies view each D-vector as 16- or 8-byte elements where they can (complex128
+    # or int64); NaN payloads must survive that, and odd sizes take the plain path
+    c, kv = _filled_slab(2, 3, 2, 6, dim, dtype)
+    src = torch.tensor([[5, 0, 2], [1, 1, 4], [3, 5, 5]])
+    c.gather_slots(src)
+    want = kv[:, :, torch.arange(3)[:, None], :, src].permute(2, 3, 0, 4, 1, 5)
+    got = torch.stack([torch.stack(layer) for layer in c.layer_tensors()])
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+    c.select_rows(torch.tensor([2, 0]))
+    got = torch.stack([torch.stack(layer) for layer in c.layer_tensors()])
+    assert torch.equal(got.view(torch.uint8), want[:, :, [2, 0]].contiguous().view(torch.uint8))
+
+
+def test_realignment_double_buffers_instead_of_allocating():
+    # every realignment writes into the other of two buffers: after the first one, no
+    # step allocates a new slab (a fresh large tensor costs a page fault per page)
+    c, _ = _filled_slab(2, 4, 2, 6, 8, torch.float32)
+    c.gather_slots(torch.tensor([[0, 1, 2]] * 4))
+    buffers = {c.slab.store.data_ptr(), c.slab.spare.data_ptr()}
+    for _ in range(3):
+        c.gather_slots(torch.tensor([[0, 1, 2]] * c.batch_size))
+        c.select_rows(torch.arange(c.batch_size - 1))
+        assert {c.slab.store.data_ptr(), c.slab.spare.data_ptr()} == buffers
+    assert c.batch_size == 1 and c.width == 3
+    c.empty_rows(3)  # fewer rows than the buffers hold: reused
+    assert c.slab.store.data_ptr() in buffers and c.batch_size == 3 and c.width == 0
+
+
+def test_gather_slots_refuses_a_source_map_of_the_wrong_shape():
+    c, _ = _filled_slab(1, 2, 1, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match="src has 3 rows, 2 rows are kept"):
+        c.gather_slots(torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="capacity exceeded"):
+        c.gather_slots(torch.zeros(2, 7, dtype=torch.long))
