@@ -188,15 +188,39 @@ def main(argv=None) -> int:
               f"{fmt(sh.get('draft'))} {fmt(sh.get('verify'))} {fmt(sh.get('realign'), 7)} "
               f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}%")
 
+    summary = realign_summary(rows)
+    print("\nrealign share of decode time: fastest strategy vs EQSPEC")
+    for r in summary:
+        eq = f"{r['eqspec_realign'] * 100:.1f}%" if r["eqspec_realign"] is not None else "-"
+        print(f"  {r['drafter']:<13} batch {r['batch_size']:>3}: {r['best']:<11} "
+              f"{r['best_realign'] * 100:5.1f}%   eqspec {eq}")
+
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"model": model_name, "prompts": len(ids), "max_new_tokens": new, "k": args.k,
                 "threads": torch.get_num_threads(), "reference_tokens_per_s": ref_tokens / ref_seconds}
-        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "realign_summary": summary}, indent=2))
         plot(rows, out)
         print(f"wrote {out / 'results.json'}, {out / 'throughput.png'}, {out / 'phases.png'}")
     return 0
+
+
+def realign_summary(rows: list) -> list:
+    """Per drafter and batch size: the fastest speculative strategy (tokens/s) and its
+    realign share of decode time, next to EQSPEC's own share (None where EQSPEC or the
+    strategy did not run)."""
+    spec = [r for r in rows if r["phase_shares"]]
+    out = []
+    for key in sorted({(r["drafter"], r["batch_size"]) for r in spec}, key=str):
+        cell = [r for r in spec if (r["drafter"], r["batch_size"]) == key]
+        best = max(cell, key=lambda r: r["tokens_per_s"])
+        eq = next((r for r in cell if r["strategy"] == "eqspec"), None)
+        out.append({"drafter": key[0], "batch_size": key[1], "best": best["strategy"],
+                    "best_tokens_per_s": best["tokens_per_s"],
+                    "best_realign": best["phase_shares"]["realign"],
+                    "eqspec_realign": eq["phase_shares"]["realign"] if eq else None})
+    return out
 
 
 def plot(rows, out: Path) -> None:

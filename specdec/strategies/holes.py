@@ -46,6 +46,14 @@ of EQSPEC's) grow fast. On a tiny CPU model per-op overhead dominates both the g
 and the attention, so these figures bound the effect rather than rank the plateau;
 rerun the sweep on the target hardware (``--strategies holes:H ...``) to tune it.
 
+Checked again on the real model after realignment became ~10x cheaper (double-buffered
+wide-element gathers, ``cache.py``): ``--prompts 16 --max-new-tokens 64 --batch-sizes 8
+--strategies holes:0.1 holes:0.25 holes:0.5 holes:0.75 eqspec --drafters ngram
+scripted:0.6`` (SmolLM2-135M, 2 CPU cores, one run) gave 20.7 / 21.9 / 21.9 / 21.4
+tokens/s (EQSPEC 19.3) with the n-gram drafter and 32.2 / 31.0 / 34.2 / 29.5 (EQSPEC
+30.3) at acceptance 0.6; realign 1.1-2.1% of decode time for every threshold (EQSPEC
+4.9-5.7%). Still a plateau, 0.5 at its top: the default stays.
+
 Finished rows leave the batch with one ``index_select`` over the slab's row axis
 (``SlabCache.select_rows``), or inside the compaction gather when one is due.
 

@@ -1,0 +1,47 @@
+"""The side-by-side benchmark's contract, on a tiny model: every configuration runs, is
+exact, and the realign summary names the fastest strategy next to EQSPEC's own share."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_path, capsys):
+    argv = ["--model", "tiny:llama", "--prompts", "5", "--max-new-tokens", "6",
+            "--batch-sizes", "1", "3", "--strategies", "eqspec", "holes", "exspec",
+            "--drafters", "scripted:0.6", "--out", str(tmp_path)]
+    assert throughput.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = data["rows"]
+    got = {(r["strategy"], r["batch_size"]) for r in rows}
+    assert got == {(s, b) for s in ("standard", "eqspec", "holes", "exspec") for b in (1, 3)}
+    assert all(r["exact_match"] == 1.0 for r in rows)
+    for r in rows:
+        if r["strategy"] != "standard":
+            assert sum(r["phase_shares"].values()) == pytest.approx(1.0)
+    summary = data["realign_summary"]
+    assert [(s["drafter"], s["batch_size"]) for s in summary] == [("scripted:0.6", 1), ("scripted:0.6", 3)]
+    for s in summary:
+        cell = [r for r in rows if r["batch_size"] == s["batch_size"] and r["strategy"] != "standard"]
+        best = max(cell, key=lambda r: r["tokens_per_s"])
+        eq = next(r for r in cell if r["strategy"] == "eqspec")
+        assert s["best"] == best["strategy"]
+        assert s["best_realign"] == best["phase_shares"]["realign"]
+        assert s["eqspec_realign"] == eq["phase_shares"]["realign"]
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert (tmp_path / "phases.png").stat().st_size > 0
+    assert "realign share of decode time: fastest strategy vs EQSPEC" in capsys.readouterr().out
