@@ -113,6 +113,40 @@ def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
 
 
+@dataclass(frozen=True)
+class RowsLeaving:
+    """How the rows that stay are renumbered when finished rows leave, moving as few rows
+    as possible: a staying row in the first ``kept`` positions keeps its index; the
+    finished rows among them are replaced, in order, by the staying rows at index
+    ``>= kept``; everything from ``kept`` on is dropped. ``B`` rows before, ``B'`` after.
+    """
+
+    # [B'] long: the current index of each row of the new batch
+    order: torch.Tensor
+    # [M] long: positions < B' of finished rows, ascending (M = finished rows among them)
+    moved_to: torch.Tensor
+    # [M] long: the staying rows at index >= B' that fill them, ascending
+    moved_from: torch.Tensor
+
+    @property
+    def kept(self) -> int:
+        return self.order.shape[0]
+
+
+def rows_leaving(finished: torch.Tensor, finished_host: list) -> RowsLeaving:
+    """The renumbering of ``RowsLeaving`` for ``finished`` ([B] bool on the device), whose
+    values the host already holds (``finished_host``, from the step's one sync), so every
+    size is known without reading the device. The number of finished rows among the first
+    ``B'`` equals the number of staying rows after them, so the moves pair up exactly
+    (tests/test_engine.py checks every pattern up to B = 12)."""
+    kept = finished_host.count(False)
+    moved = sum(finished_host[:kept])
+    to = rows_where(finished[:kept], moved)
+    frm = kept + rows_where(~finished[kept:], moved)
+    order = torch.arange(kept, device=finished.device).index_copy(0, to, frm)
+    return RowsLeaving(order, to, frm)
+
+
 def host_rows(rows: list, device) -> torch.Tensor:
     """A host list of row indices on ``device``, copied without waiting for the stream."""
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)

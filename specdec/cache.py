@@ -90,7 +90,7 @@ def as_wide_elements(t: torch.Tensor) -> torch.Tensor:
     only copied, never computed with, so every bit pattern survives (tests/test_cache_api.py
     checks NaN payloads)."""
     size = t.shape[-1] * t.element_size()
-    if t.stride(-1) != 1:
+    if t.stride(-1) != 1 or t.device.type not in ("cpu", "cuda"):  # e.g. MPS: no complex128
         return t
     for wide, width in ((torch.complex128, 16), (torch.int64, 8)):
         if t.element_size() < width and size % width == 0:
@@ -216,6 +216,22 @@ class SlabCache(Cache):
         out = as_wide_elements(slab.spare_rows(b)[..., :w, :])
         torch.index_select(as_wide_elements(slab.kv[..., :w, :]), 2, rows, out=out)
         slab.swap(b, w)
+
+    def keep_rows(self, moved_to: torch.Tensor, moved_from: torch.Tensor, kept: int) -> None:
+        """Copy rows ``moved_from`` ([M] long, all ``>= kept``) onto rows ``moved_to`` ([M]
+        long, all ``< kept``), then keep the first ``kept`` rows (``batch.rows_leaving``):
+        finished rows leave by moving only the ``M`` rows that fill their places (through
+        the spare buffer), not the whole cache."""
+        slab = self.slab
+        if slab.store is None:
+            raise RuntimeError("keep_rows before the first forward")
+        w, m = slab.width, moved_to.shape[0]
+        if m:
+            kv = as_wide_elements(slab.kv[..., :w, :])
+            tmp = as_wide_elements(slab.spare_rows(m)[..., :w, :])
+            torch.index_select(kv, 2, moved_from, out=tmp)
+            kv.index_copy_(2, moved_to, tmp)
+        slab.rows = kept
 
     def crop(self, width: int) -> None:
         """Forget every slot from ``width`` on (no copy: later forwards overwrite them)."""

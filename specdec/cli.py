@@ -59,8 +59,12 @@ def cmd_generate(args) -> int:
     items = _read_prompts(args)
     ids = _encode(items, tok, chat=not args.no_chat)
     t0 = time.perf_counter()
-    res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
-                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    try:
+        res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
+                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                              window=args.window, hole_threshold=args.hole_threshold)
+    except (ValueError, NotImplementedError) as e:  # bad input: the rule, not a traceback
+        raise SystemExit(f"specdec generate: {e}")
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -154,6 +158,11 @@ def main(argv=None) -> int:
     g.add_argument("--ids", action="store_true", help="print generated token ids as JSON lines")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
+    g.add_argument("--window", type=int, default=None,
+                   help="exspec: requests held in the pool (default 2x batch size)")
+    g.add_argument("--hole-threshold", type=float, default=None,
+                   help="holes: compact when the reclaimable share of the width passes this "
+                        "(0..1, default 0.5)")
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")

@@ -136,3 +136,11 @@ def test_gather_slots_refuses_a_source_map_of_the_wrong_shape():
         c.gather_slots(torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="capacity exceeded"):
         c.gather_slots(torch.zeros(2, 7, dtype=torch.long))
+
+
+def test_keep_rows_moves_only_the_rows_that_fill_finished_places():
+    c, kv = _filled_slab(2, 5, 2, 4, 8, torch.float32)
+    c.keep_rows(torch.tensor([0, 2]), torch.tensor([3, 4]), 3)  # rows 0, 2 finished; 3, 4 fill them
+    got = torch.stack([torch.stack(layer) for layer in c.layer_tensors()])
+    assert c.batch_size == 3 and c.width == 4
+    assert torch.equal(got.view(torch.uint8), kv[:, :, [3, 1, 4]].contiguous().view(torch.uint8))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import invariants
 import specdec
 from specdec import cli, models
@@ -70,3 +72,21 @@ def test_replay_of_a_malformed_file_is_a_clean_error(tmp_path, capsys):
     bad.write_text("not json")
     assert cli.main(["replay", str(bad)]) == 2
     assert "cannot replay" in capsys.readouterr().err
+
+
+def test_generate_passes_strategy_options(capsys):
+    prompts = random_prompts((4, 11, 7), models.TINY_VOCAB, seed=3)
+    ref = specdec.reference_generate(models.tiny("llama"), prompts, max_new_tokens=5)
+    for extra in (["--strategy", "exspec", "--window", "3"],
+                  ["--strategy", "holes", "--hole-threshold", "0"]):
+        cli.main(["generate", "--model", "tiny:llama", "--max-new-tokens", "5", "--batch-size", "2",
+                  *extra, *[" ".join(map(str, p)) for p in prompts]])
+        assert [json.loads(l)["ids"] for l in capsys.readouterr().out.splitlines()] == ref
+
+
+def test_generate_states_the_rule_for_bad_options():
+    args = ["generate", "--model", "tiny:llama", "--batch-size", "4", "5 6 7"]
+    with pytest.raises(SystemExit, match="window .* must be an integer >= batch_size = 4"):
+        cli.main([*args, "--strategy", "exspec", "--window", "2"])
+    with pytest.raises(SystemExit, match="hole_threshold= applies to strategy='holes' only"):
+        cli.main([*args, "--hole-threshold", "0.3"])

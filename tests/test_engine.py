@@ -190,3 +190,22 @@ def test_budget_never_exceeded_and_draft_length_clipped_per_row():
 def test_sliding_window_family_is_exercised_beyond_its_window():
     target, _ = tiny_pair(models.SLIDING_FAMILY)
     assert target.config.sliding_window < max(MIXED_LENGTHS)
+
+
+@pytest.mark.parametrize("b", range(1, 13))
+def test_rows_leaving_keeps_every_staying_row_once_and_moves_only_the_tail(b):
+    # every finished pattern of b rows (all 2^b, the all-finished one aside)
+    from specdec.batch import rows_leaving
+
+    bits = (torch.arange(2**b)[:, None] >> torch.arange(b)) & 1
+    for pattern in bits[:-1].bool():
+        host = pattern.tolist()
+        lv = rows_leaving(pattern, host)
+        live = [i for i, f in enumerate(host) if not f]
+        assert lv.kept == len(live)
+        assert sorted(lv.order.tolist()) == live  # a permutation of the staying rows
+        order = lv.order.tolist()
+        assert all(order[j] == j for j in range(lv.kept) if not host[j])  # head rows stay
+        assert lv.moved_to.tolist() == [j for j in range(lv.kept) if host[j]]
+        assert lv.moved_from.tolist() == [order[j] for j in lv.moved_to.tolist()]
+        assert all(i >= lv.kept for i in lv.moved_from.tolist())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout
-from ..batch import PAD_FILL, RaggedBatch, rows_where
+from ..batch import PAD_FILL, RaggedBatch, RowsLeaving, rows_leaving
 
 
 def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_width: int,
@@ -35,21 +35,25 @@ def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_wid
 
 
 def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
-            rows: torch.Tensor, new_width: int, k: int) -> RaggedBatch:
-    """Keep ``rows`` (indices of unfinished rows) and right-align them at ``new_width``.
+            leaving: RowsLeaving | None, new_width: int, k: int) -> RaggedBatch:
+    """Drop the finished rows (``leaving``: their renumbering, None when none finished)
+    and right-align the rest at ``new_width``.
 
-    predictions: [B, k+1] long; committed: [B] long; rows: [B'] long.
-    Mutates the caches in place and returns the new batch.
+    predictions: [B, k+1] long; committed: [B] long.
+    Mutates the caches in place and returns the new batch (``B'`` rows, in
+    ``leaving.order``).
     """
-    sel = lambda t: t.index_select(0, rows)  # noqa: E731
+    sel = (lambda t: t) if leaving is None else (lambda t: t.index_select(0, leaving.order))  # noqa: E731
     lengths, m = sel(batch.lengths), sel(committed)
     src_tokens, src_cache, valid, positions = plan(lengths, m, batch.width, new_width, k)
     ext = torch.cat([sel(batch.tokens), sel(predictions)], dim=1)
     tokens = torch.where(valid, ext.gather(1, src_tokens), PAD_FILL)
-    all_rows = rows.numel() == batch.batch_size
-    batch.target_cache.gather_slots(src_cache, None if all_rows else rows)
-    if batch.draft_cache is not None:
-        batch.draft_cache.gather_slots(src_cache, None if all_rows else rows)
+    for c in (batch.target_cache, batch.draft_cache):
+        if c is None:
+            continue
+        if leaving is not None:  # finished rows leave: only the rows filling their places move
+            c.keep_rows(leaving.moved_to, leaving.moved_from, leaving.kept)
+        c.gather_slots(src_cache)
     return RaggedBatch(
         tokens=tokens, valid=valid, positions=positions,
         lengths=layout.new_length(lengths, m),
@@ -74,5 +78,5 @@ def capacity(ctx, width: int, max_budget: int) -> int:
 
 def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     """Drop the finished rows and right-align the rest at the new minimal width."""
-    rows = rows_where(~batch.finished, host.finished.count(False))
-    return realign(batch, spec.predictions, spec.committed, rows, host.max_n, ctx.k)
+    leaving = rows_leaving(batch.finished, host.finished) if any(host.finished) else None
+    return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, ctx.k)

@@ -54,8 +54,9 @@ tokens/s (EQSPEC 19.3) with the n-gram drafter and 32.2 / 31.0 / 34.2 / 29.5 (EQ
 30.3) at acceptance 0.6; realign 1.1-2.1% of decode time for every threshold (EQSPEC
 4.9-5.7%). Still a plateau, 0.5 at its top: the default stays.
 
-Finished rows leave the batch with one ``index_select`` over the slab's row axis
-(``SlabCache.select_rows``), or inside the compaction gather when one is due.
+Finished rows leave the batch by moving only the staying rows that fill their places
+(``batch.rows_leaving``, ``SlabCache.keep_rows``: usually one or two rows, not the whole
+cache); row order is not kept (``row_ids`` says which request each row serves).
 
 Sliding-window models. Transformers builds the sliding mask over slot indices, which
 over-restricts the window once holes separate slots from positions. With holes the
@@ -78,7 +79,7 @@ import torch
 
 from .. import cache as cache_mod
 from .. import layout
-from ..batch import PAD_FILL, RaggedBatch, compact_sources, rows_where
+from ..batch import PAD_FILL, RaggedBatch, compact_sources, rows_leaving
 
 #: the layout profile of every view (DESIGN.md I2)
 PROFILE = "holes"
@@ -131,13 +132,15 @@ def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     positions = torch.cat([batch.positions, ext_pos], dim=1)
     lengths = layout.new_length(n, m)
 
-    kept = host.finished.count(False)
-    rows = None if kept == b else rows_where(~batch.finished, kept)
-    sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+    leaving = None if not any(host.finished) else rows_leaving(batch.finished, host.finished)
+    sel = (lambda t: t) if leaving is None else (lambda t: t.index_select(0, leaving.order))  # noqa: E731
     tokens, valid, positions, lengths = sel(tokens), sel(valid), sel(positions), sel(lengths)
 
     wide = layout.holes_width(w, k)
     caches = [c for c in (batch.target_cache, batch.draft_cache) if c is not None]
+    if leaving is not None:  # finished rows leave: only the rows filling their places move
+        for c in caches:
+            c.keep_rows(leaving.moved_to, leaving.moved_from, leaving.kept)
     due = layout.compaction_due(wide, host.max_n, ctx.hole_threshold) or not layout.verify_fits(
         wide, k, batch.target_cache.slab.capacity)
     if due:
@@ -150,11 +153,8 @@ def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
         positions = layout.slot_position(layout.TORCH, j, pad).expand_as(tokens)
         src_cache = src[:, : layout.cache_width(wc)]
         for c in caches:
-            c.gather_slots(src_cache, rows)
+            c.gather_slots(src_cache)
         ctx.stats.compactions += 1
-    elif rows is not None:
-        for c in caches:
-            c.select_rows(rows)
     return RaggedBatch(
         tokens=tokens, valid=valid, positions=positions, lengths=lengths,
         prompt_lengths=sel(batch.prompt_lengths), budgets=sel(batch.budgets),
