@@ -29,16 +29,18 @@ sync per step) picks ``G = min(batch_size, active)`` rows:
 
 Cases 2 and 3 load the chosen rows into the compute batch (``build``): pool slot
 ``slot_position(j, W - n)`` to compute slot ``j`` (EQSPEC's right-alignment, done by the
-load), i.e. one gather of ``G x (W - 1)`` slots over all layers plus one copy into the
-compute slab, the same traffic as one EQSPEC realignment gather. After verify, the
+load), i.e. one row selection into the compute slab's spare buffer and one gather of
+``G x (W - 1)`` slots over all layers into its store: about the traffic of one EQSPEC
+realignment plus a row drop. After verify, the
 ``k + 1`` slots the forward wrote (pending and drafts) are scattered back to the pool rows
 at positions ``n - 1 .. n + k - 1`` (``write_back``: ``G x (k + 1)`` slots, every step, so
 the pool is always authoritative); the committed tokens likewise. So, honestly:
 
 - reused group (case 1): ``G (k + 1)`` slots copied per step, no gather;
 - new group or fallback (2, 3): ``G (W - 1) + G (k + 1)`` slots, about one EQSPEC gather;
-- memory: the pool (``window`` rows) plus the compute slab (``batch_size`` rows), each of
-  ``longest prompt + budget + k`` slots: with the default window, 3x EQSPEC's cache.
+- memory: the pool (``window`` rows) plus the compute slab (``batch_size`` rows, double
+  buffered like every ``SlabCache``), each of ``longest prompt + budget + k`` slots: with
+  the default window, 2x EQSPEC's two buffers.
 
 The share of steps in cases 1 and 2 is ``Stats.group_rate``; the gain over EQSPEC is the
 copy saved in case 1 and the padding avoided in 1 and 2; on workloads where equal lengths
