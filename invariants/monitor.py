@@ -78,14 +78,18 @@ class Monitor:
 
     ``Monitor(mode="strict", *, raise_on_violation=True, run=None, invariants=None,
     kv_atol=None, kv_rtol=None, near_tie_tolerance=1e-3, max_violations=100,
-    skip_unchanged=True)``; ``invariants`` restricts the checks to a subset of
-    ``("I1", ..., "I7")``.
+    skip_unchanged=True, remember_rows=256)``; ``invariants`` restricts the checks to a
+    subset of ``("I1", ..., "I7")``. ``remember_rows``: how many requests' prompts and
+    outputs the I6 history rules remember across views (the newest; at least the batch),
+    so a scheduler that serves a different group of a larger pool each step (EXSPEC) is
+    checked on every row it has served, not only the previous view's.
     """
 
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
                  kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
-                 max_violations: int = 100, skip_unchanged: bool = True):
+                 max_violations: int = 100, skip_unchanged: bool = True,
+                 remember_rows: int = 256):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         chosen = tuple(P.INVARIANTS if invariants is None else invariants)
@@ -105,6 +109,9 @@ class Monitor:
         self.near_tie_tolerance = near_tie_tolerance
         self.max_violations = max_violations
         self.skip_unchanged = skip_unchanged
+        if not isinstance(remember_rows, int) or remember_rows < 0:
+            raise ValueError(f"remember_rows must be an integer >= 0, got {remember_rows!r}")
+        self.remember_rows = remember_rows
         self.violations: list[InvariantViolation] = []
         self.near_ties: list[dict] = []
         self.calls = 0
@@ -247,11 +254,13 @@ class Monitor:
 
     def _advance(self, view: StepView) -> None:
         """Update the per-run state after the checks of a phase."""
+        cap = self.remember_rows
         if view.phase == "prefill":
-            self._prompts = P.Prompts.of(view)
-            self._prev = P.Snapshot.of(view)
+            self._prompts = P.Prompts.of(view) if self._prompts is None \
+                else self._prompts.updated(view, cap)
+            self._prev = P.Snapshot.of(view) if self._prev is None else self._prev.updated(view, cap)
         elif view.phase == "commit":
-            self._prev = P.Snapshot.of(view)
+            self._prev = P.Snapshot.of(view) if self._prev is None else self._prev.updated(view, cap)
             if view.accepted is not None:
                 self._history.append((view.step, view.row_ids, view.accepted))
 

@@ -22,6 +22,7 @@ I3), over the forward's mask columns (I4) or over output indices (I6).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,12 @@ class Snapshot:
         return cls(view.row_ids.clone(), view.output.clone(), view.generated.clone(),
                    view.finished.clone())
 
+    def updated(self, view: StepView, capacity: int = 0) -> "Snapshot":
+        """This snapshot with the view's rows replacing their older entries; rows the view
+        does not hold are remembered (a scheduler such as EXSPEC serves a different group
+        each step). Keeps the ``max(capacity, B)`` newest entries (``remember_newest``)."""
+        return Snapshot(*_remembered(Snapshot.of(view), self, capacity))
+
 
 @dataclass(frozen=True)
 class Prompts:
@@ -81,6 +88,39 @@ class Prompts:
     def of(cls, view: StepView) -> "Prompts":
         return cls(view.row_ids.clone(), compact(view.tokens, view.valid.bool()),
                    view.valid.long().sum(1))
+
+    def updated(self, view: StepView, capacity: int = 0) -> "Prompts":
+        """These prompts plus the rows the prefill ``view`` admits (replacing older entries
+        of the same rows), keeping the ``max(capacity, B)`` newest (``remember_newest``)."""
+        return Prompts(*_remembered(Prompts.of(view), self, capacity))
+
+
+def _remembered(new, old, capacity: int) -> list:
+    """The fields of two row states (dataclasses whose first field is ``row_ids``), each
+    concatenated (2-D ones zero-padded to the wider) and cut to the entries
+    ``remember_newest`` keeps."""
+    names = [f.name for f in dataclasses.fields(new)]
+    keep = remember_newest(new.row_ids, old.row_ids, capacity)
+    out = []
+    for a, b in ((getattr(new, n), getattr(old, n)) for n in names):
+        if a.dim() == 2:
+            w = max(a.shape[1], b.shape[1])
+            a, b = (torch.nn.functional.pad(x, (0, w - x.shape[1])) for x in (a, b))
+        out.append(torch.cat([a, b]).index_select(0, keep))
+    return out
+
+
+def remember_newest(newer: torch.Tensor, older: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Which entries of ``cat([newer, older])`` (request ids, [N] and [M]) a monitor keeps:
+    all of ``newer``, then the entries of ``older`` whose id ``newer`` lacks, in their
+    order (newest first), then the superseded ones, cut at ``max(capacity, N)`` entries.
+    Fixed sizes, no host sync: a superseded entry that survives the cut sits behind its
+    replacement, and ``match_rows`` returns the first match."""
+    n, m = newer.shape[0], older.shape[0]
+    stale = (older[:, None] == newer[None, :]).any(dim=1) if n and m else \
+        torch.zeros(m, dtype=torch.bool, device=older.device)
+    rank = torch.cat([torch.zeros(n, dtype=torch.long, device=older.device), 1 + stale.long()])
+    return torch.argsort(rank, stable=True)[: max(capacity, n)]
 
 
 def compact(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -217,3 +217,42 @@ def test_a_malformed_view_is_reported_not_crashed_on():
     v = mon.violations[0]
     assert v.invariant == "I1" and any("predictions are [B, k+1]" in r for r in v.rules)
     assert "I6" in v.trace["also"]
+
+
+def rows_of(view, rows):
+    """The view restricted to batch rows ``rows`` (a scheduler serving one group of a pool)."""
+    idx = torch.tensor(rows)
+    b = view.batch_size
+    pick = lambda x: x.index_select(0, idx) if torch.is_tensor(x) and x.dim() and x.shape[0] == b else x  # noqa: E731
+    fields = {f.name: pick(getattr(view, f.name)) for f in dataclasses.fields(view)}
+    if view.forward is not None:
+        fields["forward"] = dataclasses.replace(
+            view.forward, **{f.name: pick(getattr(view.forward, f.name))
+                             for f in dataclasses.fields(view.forward)})
+    return dataclasses.replace(view, **fields)
+
+
+@pytest.mark.parametrize("remember_rows, caught", [(256, True), (0, False)])
+def test_rows_absent_from_the_last_view_are_still_checked_for_retroactive_change(remember_rows, caught):
+    # a pool scheduler commits a group without row 0; when row 0 is served again its
+    # earlier output must still be what it was (remember_rows=0 keeps only the last view)
+    commits = [i for i, (ph, _) in enumerate(VIEWS) if ph == "commit"]
+    first, second = commits[0], commits[1]
+    later = next(i for i, (ph, v) in enumerate(VIEWS) if i > second and ph == "realign")
+    assert int(VIEWS[first][1].generated[0]) > 0 and not bool(VIEWS[second][1].finished[0])
+    m = Monitor("strict", raise_on_violation=False, invariants=("I6",), remember_rows=remember_rows)
+    for ph, v in VIEWS[: first + 1]:
+        m(ph, v)
+    m("commit", rows_of(VIEWS[second][1], [1, 2, 3]))  # row 0 not in this group
+    ph, v = VIEWS[later]
+    out = v.output.clone()
+    out[0, 0] += 1
+    m(ph, dataclasses.replace(v, output=out))
+    rules = {r for viol in m.violations for r in viol.rules}
+    assert ("output never changes retroactively" in rules) == caught
+    assert all(viol.rows == [0] for viol in m.violations)
+
+
+def test_remember_rows_is_validated():
+    with pytest.raises(ValueError, match="remember_rows must be an integer >= 0"):
+        Monitor(remember_rows=-1)
