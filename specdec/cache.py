@@ -6,15 +6,14 @@ dim). A forward of ``q`` new tokens writes them in place at slots ``width .. wid
 every layer and returns views ``[B, H, width+q, D]``; the engine then calls ``advance(q)``.
 Because all layers live in one tensor, realignment is a single gather over the slot axis
 for the whole model (no Python loop over layers or rows), and dropping finished rows is a
-single ``index_select`` over the row axis. Both write into a second buffer of the same
-size that then becomes the slab (double buffering: no allocation and no copy-back per
-step), and both move each slot's ``D``-vector as a few wide elements instead of ``D``
-scalars. Measured on the default model's cache shape (30 layers, batch 8, 460 slots, fp32,
-2 CPU cores): a realignment gather went from 214 ms to 20 ms and a row drop from 132 ms
-to 11 ms (``select_rows``; 4 ms with ``keep_rows``, which moves only the rows that fill
-the finished rows' places); a plain copy of the same data takes 14 ms. Memory: the steady state holds two
-buffers where it held one, but every realignment used to allocate a temporary of the same
-size, so the peak is unchanged.
+copy of the few rows that fill the finished rows' places (``keep_rows``). The gather writes
+into a second buffer of the same size that then becomes the slab (double buffering: no
+allocation and no copy-back per step), and copies move each slot's ``D``-vector as a few
+wide elements instead of ``D`` scalars. Measured on the default model's cache shape (30
+layers, batch 8, 460 slots, fp32, 2 CPU cores): a realignment gather went from 214 ms to
+20 ms and a row drop from 132 ms (a full ``index_select``) to 4 ms; a plain copy of the
+same data takes 14 ms. Memory: the steady state holds two buffers where it held one, but
+every realignment used to allocate a temporary of the same size, so the peak is unchanged.
 
 Tested against transformers 5.24 (``pyproject.toml`` pins ``>=5.24,<5.25``):
 - the forward keyword is ``cache`` (``past_key_values`` is deprecated until 5.40);
@@ -104,6 +103,14 @@ def as_wide_elements(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _gather(kv: torch.Tensor, src: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[l, t, b, h, j] = kv[l, t, b, h, src[b, j]]`` over ``[L, 2, B, H, *, D]``
+    tensors (one gather, the index broadcast over layers, heads and D)."""
+    L, two, b, h, _, d = kv.shape
+    c = src.shape[1]
+    torch.gather(kv, 4, src.view(1, 1, b, 1, c, 1).expand(L, two, b, h, c, d), out=out)
+
+
 class SlabLayer(DynamicLayer):
     """One layer's view of the slab; satisfies the transformers cache-layer interface."""
 
@@ -182,43 +189,25 @@ class SlabCache(Cache):
         """Declare that the last forward wrote ``q`` new slots in every layer."""
         self.slab.width += q
 
-    def gather_slots(self, src: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Keep batch rows ``rows`` (all when None) and, per kept row, the slots ``src``.
+    def gather_slots(self, src: torch.Tensor) -> None:
+        """Keep, per row, the slots ``src``.
 
-        src:  [B', C'] long, source slot of every destination slot (all < width).
-        rows: [B'] long, indices into the current rows, or None.
-        One ``gather`` over the whole slab into the spare buffer, which becomes the store
-        (with ``rows``: an ``index_select`` into the spare first, then the gather back).
-        The gather moves whole ``D``-vectors as wide elements (``as_wide_elements``).
+        src: [B, C'] long, source slot of every destination slot (all < width).
+        One ``gather`` over the whole slab into the spare buffer, which becomes the store;
+        it moves whole ``D``-vectors as wide elements (``as_wide_elements``). Rows leave
+        before it, with ``keep_rows``.
         """
         slab = self.slab
         if slab.store is None:
             raise RuntimeError("gather_slots before the first forward")
-        w, c_new = slab.width, src.shape[1]
-        b = slab.rows if rows is None else rows.shape[0]
-        if src.shape[0] != b:
-            raise ValueError(f"gather_slots: src has {src.shape[0]} rows, {b} rows are kept")
+        w, (b, c_new) = slab.width, src.shape
+        if b != slab.rows:
+            raise ValueError(f"gather_slots: src has {b} rows, the cache {slab.rows}")
         if c_new > slab.capacity:
             raise ValueError(f"cache capacity exceeded: {c_new} slots > capacity {slab.capacity}")
-        if rows is not None:
-            self.select_rows(rows)
-        kv = as_wide_elements(slab.kv[..., :w, :])
-        out = as_wide_elements(slab.spare_rows(b)[..., :c_new, :])
-        L, two, _, h, _, d = kv.shape
-        idx = src.view(1, 1, b, 1, c_new, 1).expand(L, two, b, h, c_new, d)
-        torch.gather(kv, 4, idx, out=out)
+        _gather(as_wide_elements(slab.kv[..., :w, :]), src,
+                as_wide_elements(slab.spare_rows(b)[..., :c_new, :]))
         slab.swap(b, c_new)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep batch rows ``rows`` ([B'] long), every slot unchanged: one ``index_select``
-        over the row axis of the filled slots into the spare buffer (finished rows leave)."""
-        slab = self.slab
-        if slab.store is None:
-            raise RuntimeError("select_rows before the first forward")
-        w, b = slab.width, rows.shape[0]
-        out = as_wide_elements(slab.spare_rows(b)[..., :w, :])
-        torch.index_select(as_wide_elements(slab.kv[..., :w, :]), 2, rows, out=out)
-        slab.swap(b, w)
 
     def keep_rows(self, moved_to: torch.Tensor, moved_from: torch.Tensor, kept: int) -> None:
         """Copy rows ``moved_from`` ([M] long, all ``>= kept``) onto rows ``moved_to`` ([M]
@@ -251,19 +240,25 @@ class SlabCache(Cache):
             slab.rows = b
         slab.width = 0
 
-    def load(self, kv: torch.Tensor) -> None:
-        """Replace the content by ``kv`` ([L, 2, B, H, C, D]): the store is reused when it
-        has room for B rows of the same dtype, device and head shape, else reallocated
-        (same capacity)."""
-        L, two, b, h, c, d = kv.shape
+    def load_rows(self, source: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+        """Fill row b, slot j from ``source`` row ``rows[b]``, slot ``src[b, j]``.
+
+        source: [L, 2, R, H, S, D] (a ``SlotPool``); rows: [B] long; src: [B, C] long with
+        ``src[b, j] <= j`` (so only the first C source slots are read). An
+        ``index_select`` of the rows into the spare buffer, then one gather of ``B x C``
+        slots over all layers into the store; the store is reused when it has room for B
+        rows of the same dtype, device and head shape, else reallocated (same capacity).
+        """
+        b, c = src.shape
         slab = self.slab
         if c > slab.capacity:
             raise ValueError(f"cache capacity exceeded: {c} slots > capacity {slab.capacity}")
-        if not slab.fits(kv, b):
-            slab.allocate(kv, b)
-        slab.rows = b
-        slab.kv[..., :c, :] = kv
-        slab.width = c
+        if not slab.fits(source, b):
+            slab.allocate(source, b)
+        slab.rows, slab.width = b, c
+        spare = as_wide_elements(slab.spare_rows(b)[..., :c, :])
+        torch.index_select(as_wide_elements(source[..., :c, :]), 2, rows, out=spare)
+        _gather(spare, src, as_wide_elements(slab.kv[..., :c, :]))
 
     def layer_widths(self) -> list[int]:
         """Width of every layer as transformers sees it (for I1)."""
@@ -334,26 +329,12 @@ class SlotPool:
 
     def load(self, pool_rows: torch.Tensor, src: torch.Tensor, into: "SlabCache") -> None:
         """Fill ``into`` (batch row b, slot j) from pool row ``pool_rows[b]``, slot
-        ``src[b, j]``, where ``src[b, j] <= j`` (right-aligning left-aligned rows moves
-        slots right only): an ``index_select`` of the pool rows into ``into``'s spare
-        buffer, then one gather of ``B x C`` slots over all layers into its store; no
-        allocation once ``into`` has room for ``B`` rows."""
-        b, c = src.shape
-        if c == 0:
-            into.empty_rows(b)
-            return
-        slab = into.slab
-        if not slab.fits(self.kv, b):
-            slab.allocate(self.kv, b)
-        if c > slab.capacity:
-            raise ValueError(f"cache capacity exceeded: {c} slots > capacity {slab.capacity}")
-        slab.rows = b
-        spare = as_wide_elements(slab.spare_rows(b)[..., :c, :])
-        torch.index_select(as_wide_elements(self.kv[..., :c, :]), 2, pool_rows, out=spare)
-        L, two, _, h, _, d = spare.shape
-        idx = src.view(1, 1, b, 1, c, 1).expand(L, two, b, h, c, d)
-        torch.gather(spare, 4, idx, out=as_wide_elements(slab.kv[..., :c, :]))
-        slab.width = c
+        ``src[b, j]`` (``src[b, j] <= j``: right-aligning left-aligned rows moves slots
+        right only); ``SlabCache.load_rows``: no allocation once ``into`` has room."""
+        if src.shape[1] == 0:  # one-token rows: nothing cached (the pool may be unset)
+            into.empty_rows(src.shape[0])
+        else:
+            into.load_rows(self.kv, pool_rows, src)
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:

@@ -71,12 +71,13 @@ def test_gather_slots_moves_all_layers_at_once():
         c.layers[layer].update(k + 100 * layer, -k - 100 * layer, layer)
     c.advance(4)
     src = torch.tensor([[3, 1], [0, 0]])
-    c.gather_slots(src, rows=None)
+    c.gather_slots(src)
     assert c.layer_widths() == [2, 2, 2]
     for layer, (kk, vv) in enumerate(c.layer_tensors()):
         want = (k + 100 * layer)[torch.arange(2)[:, None], :, src].permute(0, 2, 1, 3)
         assert torch.equal(kk, want) and torch.equal(vv, -want)
-    c.gather_slots(torch.tensor([[1]]), rows=torch.tensor([1]))
+    c.keep_rows(torch.tensor([0]), torch.tensor([1]), 1)
+    c.gather_slots(torch.tensor([[1]]))
     assert c.batch_size == 1 and c.width == 1
 
 
@@ -110,9 +111,9 @@ def test_realignment_moves_every_bit_pattern_unchanged(dtype, dim):
     want = kv[:, :, torch.arange(3)[:, None], :, src].permute(2, 3, 0, 4, 1, 5)
     got = torch.stack([torch.stack(layer) for layer in c.layer_tensors()])
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
-    c.select_rows(torch.tensor([2, 0]))
+    c.keep_rows(torch.tensor([0]), torch.tensor([2]), 2)  # row 0 leaves, row 2 fills it
     got = torch.stack([torch.stack(layer) for layer in c.layer_tensors()])
-    assert torch.equal(got.view(torch.uint8), want[:, :, [2, 0]].contiguous().view(torch.uint8))
+    assert torch.equal(got.view(torch.uint8), want[:, :, [2, 1]].contiguous().view(torch.uint8))
 
 
 def test_realignment_double_buffers_instead_of_allocating():
@@ -123,7 +124,8 @@ def test_realignment_double_buffers_instead_of_allocating():
     buffers = {c.slab.store.data_ptr(), c.slab.spare.data_ptr()}
     for _ in range(3):
         c.gather_slots(torch.tensor([[0, 1, 2]] * c.batch_size))
-        c.select_rows(torch.arange(c.batch_size - 1))
+        last = c.batch_size - 1
+        c.keep_rows(torch.tensor([0]), torch.tensor([last]), last)  # row 0 leaves
         assert {c.slab.store.data_ptr(), c.slab.spare.data_ptr()} == buffers
     assert c.batch_size == 1 and c.width == 3
     c.empty_rows(3)  # fewer rows than the buffers hold: reused
@@ -132,7 +134,7 @@ def test_realignment_double_buffers_instead_of_allocating():
 
 def test_gather_slots_refuses_a_source_map_of_the_wrong_shape():
     c, _ = _filled_slab(1, 2, 1, 4, 8, torch.float32)
-    with pytest.raises(ValueError, match="src has 3 rows, 2 rows are kept"):
+    with pytest.raises(ValueError, match="src has 3 rows, the cache 2"):
         c.gather_slots(torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="capacity exceeded"):
         c.gather_slots(torch.zeros(2, 7, dtype=torch.long))
