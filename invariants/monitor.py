@@ -254,15 +254,12 @@ class Monitor:
 
     def _advance(self, view: StepView) -> None:
         """Update the per-run state after the checks of a phase."""
-        cap = self.remember_rows
         if view.phase == "prefill":
-            self._prompts = P.Prompts.of(view) if self._prompts is None \
-                else self._prompts.updated(view, cap)
-            self._prev = P.Snapshot.of(view) if self._prev is None else self._prev.updated(view, cap)
-        elif view.phase == "commit":
-            self._prev = P.Snapshot.of(view) if self._prev is None else self._prev.updated(view, cap)
-            if view.accepted is not None:
-                self._history.append((view.step, view.row_ids, view.accepted))
+            self._prompts = P.Prompts.remember(self._prompts, view, self.remember_rows)
+        if view.phase in ("prefill", "commit"):
+            self._prev = P.Snapshot.remember(self._prev, view, self.remember_rows)
+        if view.phase == "commit" and view.accepted is not None:
+            self._history.append((view.step, view.row_ids, view.accepted))
 
     # -- deep checks -----------------------------------------------------------------------
     def _deep(self, view: StepView) -> None:

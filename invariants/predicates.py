@@ -66,11 +66,12 @@ class Snapshot:
         return cls(view.row_ids.clone(), view.output.clone(), view.generated.clone(),
                    view.finished.clone())
 
-    def updated(self, view: StepView, capacity: int = 0) -> "Snapshot":
-        """This snapshot with the view's rows replacing their older entries; rows the view
-        does not hold are remembered (a scheduler such as EXSPEC serves a different group
-        each step). Keeps the ``max(capacity, B)`` newest entries (``remember_newest``)."""
-        return Snapshot(*_remembered(Snapshot.of(view), self, capacity))
+    @classmethod
+    def remember(cls, old: "Snapshot | None", view: StepView, capacity: int = 0) -> "Snapshot":
+        """``old`` with the view's rows replacing their older entries; rows the view does
+        not hold are remembered (a scheduler such as EXSPEC serves a different group each
+        step). Keeps the ``max(capacity, B)`` newest entries (``remember_newest``)."""
+        return _remembered(cls.of(view), old, capacity)
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,19 @@ class Prompts:
         return cls(view.row_ids.clone(), compact(view.tokens, view.valid.bool()),
                    view.valid.long().sum(1))
 
-    def updated(self, view: StepView, capacity: int = 0) -> "Prompts":
-        """These prompts plus the rows the prefill ``view`` admits (replacing older entries
-        of the same rows), keeping the ``max(capacity, B)`` newest (``remember_newest``)."""
-        return Prompts(*_remembered(Prompts.of(view), self, capacity))
+    @classmethod
+    def remember(cls, old: "Prompts | None", view: StepView, capacity: int = 0) -> "Prompts":
+        """``old`` plus the rows the prefill ``view`` admits (replacing older entries of
+        the same rows), keeping the ``max(capacity, B)`` newest (``remember_newest``)."""
+        return _remembered(cls.of(view), old, capacity)
 
 
-def _remembered(new, old, capacity: int) -> list:
-    """The fields of two row states (dataclasses whose first field is ``row_ids``), each
-    concatenated (2-D ones zero-padded to the wider) and cut to the entries
-    ``remember_newest`` keeps."""
+def _remembered(new, old, capacity: int):
+    """Two row states (dataclasses whose first field is ``row_ids``; ``old`` may be None)
+    merged: each field concatenated (2-D ones zero-padded to the wider) and cut to the
+    entries ``remember_newest`` keeps."""
+    if old is None:
+        return new
     names = [f.name for f in dataclasses.fields(new)]
     keep = remember_newest(new.row_ids, old.row_ids, capacity)
     out = []
@@ -107,7 +111,7 @@ def _remembered(new, old, capacity: int) -> list:
             w = max(a.shape[1], b.shape[1])
             a, b = (torch.nn.functional.pad(x, (0, w - x.shape[1])) for x in (a, b))
         out.append(torch.cat([a, b]).index_select(0, keep))
-    return out
+    return type(new)(*out)
 
 
 def remember_newest(newer: torch.Tensor, older: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -133,12 +133,14 @@ class RowsLeaving:
         return self.order.shape[0]
 
 
-def rows_leaving(finished: torch.Tensor, finished_host: list) -> RowsLeaving:
+def rows_leaving(finished: torch.Tensor, finished_host: list) -> RowsLeaving | None:
     """The renumbering of ``RowsLeaving`` for ``finished`` ([B] bool on the device), whose
     values the host already holds (``finished_host``, from the step's one sync), so every
-    size is known without reading the device. The number of finished rows among the first
-    ``B'`` equals the number of staying rows after them, so the moves pair up exactly
-    (tests/test_engine.py checks every pattern up to B = 12)."""
+    size is known without reading the device; None when no row finished. The number of
+    finished rows among the first ``B'`` equals the number of staying rows after them, so
+    the moves pair up exactly (tests/test_engine.py checks every pattern up to B = 12)."""
+    if not any(finished_host):
+        return None
     kept = finished_host.count(False)
     moved = sum(finished_host[:kept])
     to = rows_where(finished[:kept], moved)

@@ -198,7 +198,8 @@ def test_rows_leaving_keeps_every_staying_row_once_and_moves_only_the_tail(b):
     from specdec.batch import rows_leaving
 
     bits = (torch.arange(2**b)[:, None] >> torch.arange(b)) & 1
-    for pattern in bits[:-1].bool():
+    assert rows_leaving(torch.zeros(b, dtype=torch.bool), [False] * b) is None
+    for pattern in bits[1:-1].bool():
         host = pattern.tolist()
         lv = rows_leaving(pattern, host)
         live = [i for i, f in enumerate(host) if not f]

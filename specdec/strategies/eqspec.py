@@ -78,5 +78,5 @@ def capacity(ctx, width: int, max_budget: int) -> int:
 
 def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     """Drop the finished rows and right-align the rest at the new minimal width."""
-    leaving = rows_leaving(batch.finished, host.finished) if any(host.finished) else None
+    leaving = rows_leaving(batch.finished, host.finished)
     return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, ctx.k)

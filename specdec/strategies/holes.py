@@ -132,7 +132,7 @@ def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
     positions = torch.cat([batch.positions, ext_pos], dim=1)
     lengths = layout.new_length(n, m)
 
-    leaving = None if not any(host.finished) else rows_leaving(batch.finished, host.finished)
+    leaving = rows_leaving(batch.finished, host.finished)
     sel = (lambda t: t) if leaving is None else (lambda t: t.index_select(0, leaving.order))  # noqa: E731
     tokens, valid, positions, lengths = sel(tokens), sel(valid), sel(positions), sel(lengths)
 
