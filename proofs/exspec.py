@@ -23,13 +23,11 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, val
+from .core import Obligation, Query, any_row, symbolic, val
 from .ops import Z3, cell, column, scalar
 
 STRATEGY = "exspec"
 SCOPE = "n,m,k unbounded"
-
-_CACHE: dict = {}
 
 
 class ExBatch:
@@ -80,13 +78,7 @@ class ExBatch:
         return out
 
 
-def symbolic_batch(B: int) -> ExBatch:
-    key = (B, tuple(v for _, v in sorted(vars(layout).items()) if callable(v)))
-    if key not in _CACHE:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = ExBatch(B)
-    return _CACHE[key]
+symbolic_batch = symbolic(ExBatch)
 
 
 def per_row(row_violation, extra=lambda bt: []):

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from . import strategies
+
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -17,7 +19,24 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="drafts per step (default 4)")
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--strategy", default="eqspec", choices=("eqspec", "exspec", "holes"))
+    p.add_argument("--strategy", default="eqspec", choices=strategies.names())
+
+
+def _add_strategy_options(p: argparse.ArgumentParser) -> None:
+    """Every registered strategy's options as flags (``--window``, ``--hole-threshold``)."""
+    seen: set = set()
+    for name in strategies.names():
+        for opt in strategies.get(name).options:
+            if opt.name not in seen:
+                seen.add(opt.name)
+                p.add_argument(opt.flag, dest=opt.name, type=opt.type, default=None,
+                               help=f"{name}: {opt.help}")
+
+
+def _strategy_options(args) -> dict:
+    """The strategy options given on the command line (absent ones left out)."""
+    names = {o.name for n in strategies.names() for o in strategies.get(n).options}
+    return {n: getattr(args, n) for n in sorted(names) if getattr(args, n, None) is not None}
 
 
 def _read_prompts(args) -> list:
@@ -62,7 +81,7 @@ def cmd_generate(args) -> int:
     try:
         res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              window=args.window, hole_threshold=args.hole_threshold)
+                              **_strategy_options(args))
     except (ValueError, NotImplementedError) as e:  # bad input: the rule, not a traceback
         raise SystemExit(f"specdec generate: {e}")
     secs = time.perf_counter() - t0
@@ -158,11 +177,7 @@ def main(argv=None) -> int:
     g.add_argument("--ids", action="store_true", help="print generated token ids as JSON lines")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
-    g.add_argument("--window", type=int, default=None,
-                   help="exspec: requests held in the pool (default 2x batch size)")
-    g.add_argument("--hole-threshold", type=float, default=None,
-                   help="holes: compact when the reclaimable share of the width passes this "
-                        "(0..1, default 0.5)")
+    _add_strategy_options(g)
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import cache as cache_mod
+from . import layout
 from .batch import left_pad
 from .engine import _check_causal_lm, _to_ids
 from .models import stop_token_ids as model_stop_ids
@@ -46,7 +47,7 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
 def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
-    cache = cache_mod.new_cache(target, w + max_new_tokens + 1)
+    cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
     logits = cache_mod.forward(target, tokens, positions, valid, cache, last_logits=True)[:, -1]
     mask = valid
     pos = lengths.clone()

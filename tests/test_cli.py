@@ -10,7 +10,7 @@ import invariants
 import specdec
 from specdec import cli, models
 from specdec.forensics.replay import run_spec
-from strategies import random_prompts
+from harness import random_prompts
 
 
 def test_generate_prints_ids_equal_to_the_reference(capsys):

@@ -9,7 +9,7 @@ import torch
 
 from invariants import DEFAULT_TOLERANCE, compare_outputs
 from invariants.equivalence import divergence_margin, greedy_reference
-from strategies import hf_tiny_llama
+from toy_engine import hf_tiny_llama
 
 torch.set_num_threads(1)
 

@@ -20,7 +20,7 @@ import specdec
 from invariants import InvariantViolation, Monitor, guard_model
 from invariants import predicates as P
 from specdec import drafters, models
-from strategies import forbid_host_reads
+from host_reads import forbid_host_reads
 
 DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 

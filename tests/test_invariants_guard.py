@@ -15,7 +15,8 @@ from transformers import DynamicCache
 
 from invariants import InvariantViolation, guard_model
 from invariants.equivalence import greedy_reference
-from strategies import forbid_host_reads, hf_tiny_llama
+from host_reads import forbid_host_reads
+from toy_engine import hf_tiny_llama
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from invariants import InvariantViolation, Monitor
-from strategies import forbid_host_reads, toy_views
+from host_reads import forbid_host_reads
+from toy_engine import toy_views
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from invariants import ForwardRecord, Monitor
 from invariants import predicates as P
-from strategies import TOY_STOP, toy_views
+from toy_engine import TOY_STOP, toy_views
 
 torch.set_num_threads(1)
 

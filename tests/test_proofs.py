@@ -80,7 +80,7 @@ def test_every_mutant_yields_a_counterexample(name):
     cexs = [r for r in results if r.status == "counterexample"]
     assert cexs, f"mutant {name} survived every obligation"
     assert all(r.status in ("proved", "counterexample") for r in results)
-    if strategy == "eqspec":  # proofs.replay rebuilds EQSPEC steps only
+    if strategy == "eqspec":  # forensics.counterexample rebuilds EQSPEC steps only
         assert any(cli.replayable(r.counterexample) for r in cexs)
     else:
         assert not any(cli.replayable(r.counterexample) for r in cexs)
@@ -88,7 +88,7 @@ def test_every_mutant_yields_a_counterexample(name):
 
 @pytest.mark.parametrize("name", mutants.names("eqspec"))
 def test_mutant_counterexample_replays_on_the_engine(name):
-    from proofs.replay import replay_counterexample
+    from specdec.forensics.counterexample import replay_counterexample
 
     torch.set_num_threads(1)
     results = proofs.run(3, mutant=name, groups=["eqspec"])
@@ -196,6 +196,11 @@ FORMULAS = [
     (r"\bpad\w*\s*\+\s*pos\w*", "compact_dest_slot: pad' + position"),
     (r"\+\s*k\s*<=\s*[\w.]*capacity\b", "verify_fits: W + k <= capacity"),
     (r"\w\s*-\s*[\w.]*max_n\b", "slack: W - max n"),
+    (r"\b\w*budget\w*\)?\s*\+\s*[\w.]*k\s*\+\s*1\b",
+     "output_width / contiguous_capacity: ... + max_budget + k + 1"),
+    (r"\blongest\s*\+\s*[\w.]*k\b", "pool_capacity / pool_compute_capacity: longest + k"),
+    (r"/\s*\(\s*1\s*-", "widest_before_compaction: longest / (1 - threshold)"),
+    (r"\bmax_budget\s*\*\s*\(", "holes_capacity: width + max_budget (k + 1)"),
 ]
 
 
@@ -216,7 +221,8 @@ def _code_only(path: Path) -> str:
 
 
 def test_no_second_copy_of_the_index_formulas():
-    files = [ROOT / "specdec" / "engine.py", ROOT / "specdec" / "acceptance.py"]
+    files = [ROOT / "specdec" / name for name in ("engine.py", "phases.py", "acceptance.py",
+                                                  "reference.py")]
     files += sorted((ROOT / "specdec" / "strategies").glob("*.py"))
     found = []
     for path in files:
@@ -268,13 +274,13 @@ def test_pool_obligations_catch_a_broken_pool(monkeypatch):
         return nxt
 
     monkeypatch.setattr(P, "step", finish_keeps_active)
-    P._CACHE.clear()
+    proofs.clear_caches()
     try:
         ob = next(o for o in P.obligations() if "exactly one state" in o.name)
         r = check(ob, 3)
         assert r.status == "counterexample" and r.counterexample["move"] == "finish"
     finally:
-        P._CACHE.clear()
+        proofs.clear_caches()
 
 
 # -- HOLES and EXSPEC ------------------------------------------------------------------------
@@ -388,7 +394,7 @@ def test_exspec_pool_follows_the_pool_model():
     from conftest import tiny_pair
     from proofs import pool as P
     from specdec import drafters, models
-    from strategies import random_prompts
+    from harness import random_prompts
 
     torch.set_num_threads(1)
     target, _ = tiny_pair("llama")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 
-from strategies import cases, outcome_failures, run_case
+from harness import outcome_failures, run_case
+from hyp_inputs import cases
 
 CASES = cases()
 

@@ -1,7 +1,7 @@
 """``specdec audit``: which batched decoding engines stay exact, and where the others break.
 
-On one model and one prompt set it runs batched standard decoding, the three correct
-speculative strategies (EQSPEC, EXSPEC, holes) and every known-bad reproduction
+On one model and one prompt set it runs batched standard decoding, every registered
+speculative strategy (``specdec.strategies.names()``) and every known-bad reproduction
 (``known_bad.KNOWN_BAD``). Correct engines run under a strict Monitor (a violation stops
 that engine and is reported); known-bad ones under a recording Monitor, so their whole
 output is seen. Every engine's ids are compared with batch-1 greedy decoding; a divergence
@@ -21,13 +21,19 @@ from pathlib import Path
 
 import torch
 
-CORRECT = ("standard", "eqspec", "exspec", "holes")
+from .. import strategies
+from .plots import phase_shares, save, stacked_phase_shares
+
+
+def correct_names() -> tuple[str, ...]:
+    """The engines expected to be exact: batched standard decoding and every strategy."""
+    return ("standard",) + strategies.names()
 
 
 def engine_names() -> tuple[str, ...]:
     from .known_bad import KNOWN_BAD
 
-    return CORRECT + tuple(KNOWN_BAD)
+    return correct_names() + tuple(KNOWN_BAD)
 
 
 @dataclass
@@ -127,33 +133,13 @@ def _plots(report: Report, out: Path) -> None:
     ax.set_xlabel("tokens / s")
     ax.set_ylabel("exact match vs batch-1 greedy (%)")
     ax.set_ylim(-5, 105)
-    ax.set_title("Throughput vs exactness")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "exactness.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, out / "exactness.png", title="Throughput vs exactness", legend_size=8)
 
     rows = [e for e in report.engines if e.phase_shares]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4.5))
-    bottom = [0.0] * len(rows)
-    for phase in ("prefill", "draft", "verify", "commit", "realign", "checks"):
-        vals = [e.phase_shares.get(phase, 0.0) for e in rows]
-        ax.bar(range(len(rows)), vals, bottom=bottom, label=phase)
-        bottom = [a + b for a, b in zip(bottom, vals)]
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([e.name for e in rows], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("share of engine time")
-    ax.set_title("Phase shares")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=110)
-    plt.close(fig)
-
-
-def _shares(seconds: dict) -> dict:
-    total = sum(seconds.values()) or 1.0
-    return {p: v / total for p, v in seconds.items()}
+    stacked_phase_shares(out / "phases.png", [e.name for e in rows], [e.phase_shares for e in rows],
+                         ("prefill", "draft", "verify", "commit", "realign", "checks"),
+                         ylabel="share of engine time", width_per_bar=0.8, min_width=6,
+                         label_size=7, rotation=30)
 
 
 def _classify(seqs, reference, margins, tolerance):
@@ -216,7 +202,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
         progress(1)
     standard_tps = None
     for name in engines:
-        correct = name in CORRECT
+        correct = name in correct_names()
         rep = EngineReport(name=name, expected_correct=correct,
                            description=KNOWN_BAD.get(name, "correct engine"))
         mon = invariants.Monitor(mode="strict", raise_on_violation=correct,
@@ -251,7 +237,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             rep.speedup_vs_standard = rep.tokens_per_s / standard_tps
         if stats is not None:
             rep.acceptance = stats.acceptance
-            rep.phase_shares = _shares(stats.seconds)
+            rep.phase_shares = phase_shares(stats.seconds)
         exact, near, desync, overrun, first_bad = _classify(seqs, ref, margins, tol)
         rep.exact_match = exact / len(ids)
         rep.near_ties, rep.desyncs, rep.overruns = near, desync, overrun

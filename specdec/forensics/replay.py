@@ -91,7 +91,7 @@ def replay(trace) -> tuple[bool, str]:
         text = json.dumps(trace)
     data = json.loads(text)
     if data.get("kind") == "proof-counterexample" or "counterexample" in data:
-        from proofs.replay import replay_counterexample  # a z3 counterexample
+        from .counterexample import replay_counterexample  # a z3 counterexample
 
         rep = replay_counterexample(data)
         return bool(rep.diverged or rep.violations), str(rep)
