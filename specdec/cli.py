@@ -59,12 +59,12 @@ def _encode(items, tokenizer, chat: bool) -> list[list[int]]:
 
     if tokenizer is None:  # tiny models: prompts are space-separated token ids
         try:
-            return [[int(t) for t in p.messages[-1]["content"].split()] for p in items]
+            return [[int(t) for t in p.text.split()] for p in items]
         except ValueError:
             raise SystemExit("this model has no tokenizer: give prompts as space-separated token ids")
     if chat:
         return prompt_mod.encode(items, tokenizer)
-    return [list(tokenizer(p.messages[-1]["content"], add_special_tokens=False)["input_ids"])
+    return [list(tokenizer(prompt_mod.plain_text(p.messages), add_special_tokens=False)["input_ids"])
             for p in items]
 
 
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
 
     g = sub.add_parser("generate", help="speculative decoding of prompts (text out)")
     g.add_argument("prompts", nargs="*", help="prompt texts (token ids for tiny models)")
-    g.add_argument("--jsonl", help="JSONL prompts: {'prompt': ...} or SpecBench {'turns': [...]}")
+    g.add_argument("--jsonl", help="JSONL prompts: {'prompt': ...}, {'messages': [...]} or "
+                                   "SpecBench {'turns': [...], 'category': ...}")
     g.add_argument("--ids", action="store_true", help="print generated token ids as JSON lines")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
@@ -181,8 +182,8 @@ def main(argv=None) -> int:
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
-    a.add_argument("--prompts", help="JSONL prompts (SpecBench questions or {'prompt': ...}); "
-                                     "default: the built-in set")
+    a.add_argument("--prompts", help="JSONL prompts ({'prompt': ...}, {'messages': [...]} or "
+                                     "SpecBench questions); default: the built-in set")
     a.add_argument("--limit", type=int, default=16, help="first N prompts (default 16; 0 = all)")
     a.add_argument("--engines", nargs="+", help="engines to run (default: all)")
     a.add_argument("--out", help="directory for report.md, report.json and PNG figures")

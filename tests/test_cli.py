@@ -24,11 +24,12 @@ def test_generate_prints_ids_equal_to_the_reference(capsys):
 
 def test_generate_reads_jsonl(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "5 6 7"}\n\n{"question_id": 3, "category": "math", "turns": ["9 10", "x"]}\n')
+    # a tiny model reads prompts as ids; a SpecBench question keeps every turn (9 10, 11)
+    f.write_text('{"prompt": "5 6 7"}\n\n{"question_id": 3, "category": "math", "turns": ["9 10", "11"]}\n')
     cli.main(["generate", "--model", "tiny:gpt2", "--max-new-tokens", "3", "--jsonl", str(f)])
     out = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert [o["id"] for o in out] == ["line-1", "3"]
-    ref = specdec.reference_generate(models.tiny("gpt2"), [[5, 6, 7], [9, 10]], max_new_tokens=3)
+    ref = specdec.reference_generate(models.tiny("gpt2"), [[5, 6, 7], [9, 10, 11]], max_new_tokens=3)
     assert [o["ids"] for o in out] == ref
 
 
