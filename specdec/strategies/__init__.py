@@ -25,9 +25,10 @@ The interface (``Strategy``):
   ``ids`` with the shared phases (``specdec.phases``) and append each finished row's
   ``(row_ids, output, generated)`` to ``done``.
 
-``FixedBatches`` is the base of the strategies that decode the prompts in consecutive
-batches of ``batch_size`` (EQSPEC, HOLES): they implement ``capacity`` and
-``after_step`` instead of ``run``. EXSPEC implements ``run`` (its own pool loop).
+``FixedBatches`` is the base of the strategies that decode the prompts in batches of
+``batch_size``, one batch after the other (EQSPEC, HOLES): they implement ``capacity``
+and ``after_step`` instead of ``run`` (and may choose which prompts form each batch:
+``batches``). EXSPEC implements ``run`` (its own pool loop).
 
 Registry lines name a module (imported on first use, so reading the names costs no
 torch import) or pass a ``Strategy`` instance; ``proofs=`` names the ``proofs/`` module
@@ -80,9 +81,9 @@ class Strategy:
 
 
 class FixedBatches(Strategy):
-    """A strategy that decodes the prompts in consecutive batches of ``batch_size``:
-    prefill a batch, then step it (``phases.step``) until every row finished, calling
-    ``after_step`` for the layout after each step."""
+    """A strategy that decodes the prompts in batches of ``batch_size`` (``batches``), one
+    after the other: prefill a batch, then step it (``phases.step``) until every row
+    finished, calling ``after_step`` for the layout after each step."""
 
     def capacity(self, ctx: Context, width: int, max_budget: int) -> int:
         """Cache slots of a batch whose prompts have width ``width`` (``layout``)."""
@@ -93,13 +94,17 @@ class FixedBatches(Strategy):
         """The next batch: finished rows dropped, the layout made ready for a step."""
         raise NotImplementedError
 
+    def batches(self, ctx: Context, ids: list, batch_size: int) -> list[list[int]]:
+        """The prompt indices of each batch, in decoding order (default: consecutive runs
+        of ``batch_size`` prompts)."""
+        return [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
+
     def run(self, ctx, state, ids, *, batch_size, max_new_tokens, done):
         from ..phases import run_batch
 
-        for start in range(0, len(ids), batch_size):
-            chunk = list(range(start, min(start + batch_size, len(ids))))
-            state.batch_index = start // batch_size
-            run_batch(ctx, state, [ids[r] for r in chunk], chunk, [max_new_tokens] * len(chunk),
+        for index, rows in enumerate(self.batches(ctx, ids, batch_size)):
+            state.batch_index = index
+            run_batch(ctx, state, [ids[r] for r in rows], rows, [max_new_tokens] * len(rows),
                       done, capacity=lambda w, mb: self.capacity(ctx, w, mb),
                       after_step=self.after_step)
 
