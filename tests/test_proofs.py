@@ -71,6 +71,56 @@ def test_obligations_are_not_vacuous():
     assert r.status == "counterexample" and r.counterexample["rows"]
 
 
+# -- sizing ----------------------------------------------------------------------------------
+# Each sizing function made smaller by one slot more than its slack must fail the
+# obligations that rely on it: the proofs see the very function the engine sizes with.
+
+SIZING = {  # layout function: (slots taken away, obligations that must then fail)
+    "output_width": (2, ["sizing/output width"]),
+    "contiguous_capacity": (3, ["sizing/eqspec capacity", "sizing/reference capacity",
+                                "sizing/holes capacity after compaction"]),
+    "holes_capacity": (3, ["sizing/holes capacity after compaction",
+                           "sizing/holes capacity, never compacting",
+                           "sizing/holes threshold triggers first",
+                           "sizing/holes never compacting fits"]),
+    "pool_capacity": (2, ["sizing/exspec pool writes"]),
+    "pool_compute_capacity": (2, ["sizing/exspec compute capacity"]),
+}
+
+
+@pytest.mark.parametrize("fn", SIZING)
+def test_a_buffer_too_small_gives_a_sizing_counterexample(monkeypatch, fn):
+    from proofs import sizing
+
+    fewer, expected = SIZING[fn]
+    orig = getattr(layout, fn)
+    monkeypatch.setattr(layout, fn, lambda *a: orig(*a) - fewer)
+    results = {ob.name: check(ob, 1) for ob in sizing.obligations()}
+    assert all(results[name].status == "counterexample" for name in expected), \
+        {n: r.status for n, r in results.items()}
+    assert {n for n, r in results.items() if not r.ok} >= set(expected)
+
+
+@pytest.mark.parametrize("strategy, fn, error", [
+    ("eqspec", "contiguous_capacity", "cache capacity exceeded"),
+    ("holes", "holes_capacity", "cache capacity exceeded"),
+    ("exspec", "pool_compute_capacity", "cache capacity exceeded"),
+    ("exspec", "pool_capacity", "out of bounds"),  # the pool's token store
+    ("reference", "contiguous_capacity", "cache capacity exceeded")])
+def test_the_engine_sizes_its_buffers_with_the_proved_functions(monkeypatch, strategy, fn, error):
+    import specdec
+    from specdec import models
+
+    target = models.tiny("llama")
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    monkeypatch.setattr(layout, fn, lambda *a: 1)  # one slot: the first write overflows
+    with pytest.raises((ValueError, IndexError), match=error):
+        if strategy == "reference":
+            specdec.reference_generate(target, prompts, max_new_tokens=4)
+        else:
+            specdec.generate(target, prompts, strategy=strategy, max_new_tokens=4)
+
+
 # -- mutants ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", mutants.NAMES)
