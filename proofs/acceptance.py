@@ -9,7 +9,7 @@ prediction ``i`` is a stop token (``stop[b][i]``) arbitrarily: every pattern of
 equalities is realisable by some tokens. The engine's formulas are evaluated on these
 terms: ``specdec.layout.draft_limit``, ``accepted_from_matches``,
 ``committed_from_accepted`` and ``row_finished`` (``specdec/acceptance.py`` and
-``engine.step`` call exactly these). ``k`` sets tensor shapes, so it is concrete: every
+``phases.speculate`` call exactly these). ``k`` sets tensor shapes, so it is concrete: every
 ``k`` in ``0 .. K`` is checked (``K`` defaults to 8), and every ``B`` up to the bound:
 solved at ``B = 1``, and for ``B > 1`` reduced to ``B = 1`` by a syntactic proof that each
 row computes the batch-1 formulas over its own inputs (``row_independent``; the

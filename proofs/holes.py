@@ -448,7 +448,7 @@ def _cache_computed(ct: CompactRows, b: int):
 # ---------------------------------------------------------------------------------------
 
 def _compaction_width(B: int) -> Query:
-    # W_c = new_width over the rows that stay (as engine.sync computes max_n): every kept
+    # W_c = new_width over the rows that stay (as phases.sync computes max_n): every kept
     # row has pad' = new_padding(W_c, new_length(n, m)) >= 0 and some kept row pad' = 0
     n = [z3.Int(f"n{b}") for b in range(B)]
     m = [z3.Int(f"m{b}") for b in range(B)]

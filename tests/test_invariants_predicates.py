@@ -1,7 +1,7 @@
 """Each invariant rule, as a specification: a correct run passes, and one precise mistake
 made at one phase is caught by exactly the rule that forbids it, in strict and fast mode.
 
-Views come from the model-free toy engine in ``tests/strategies.py`` (invariants must not
+Views come from the model-free toy engine in ``tests/toy_engine.py`` (invariants must not
 depend on specdec); the engine integration is in ``test_invariants_integration.py``.
 """
 

@@ -1,6 +1,6 @@
 """Adversarial properties: forced acceptance patterns, mixed prompts, budgets and stops.
 
-Each test states one property over ``cases()`` (tests/strategies.py); the engine runs with
+Each test states one property over ``cases()`` (tests/hyp_inputs.py); the engine runs with
 a ForcingDrafter under a strict Monitor. Profiles: HYPOTHESIS_PROFILE=ci|dev|thorough.
 """
 
