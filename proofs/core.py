@@ -203,6 +203,25 @@ def clear_symbolic() -> None:
         memo.clear()
 
 
+class VerifyRows:
+    """``B`` rows of a verify step with ``k >= 0`` drafts from old width ``W``: row ``b`` has
+    ``1 <= n[b] <= W`` real tokens, commits ``1 <= m[b] <= k + 1`` tokens and accepted
+    ``m[b] - 1 <= a[b] <= k`` drafts. The base of the strategies' symbolic batches, which
+    add their own terms and assumptions."""
+
+    def __init__(self, B: int):
+        self.B = B
+        self.k, self.W = z3.Int("k"), z3.Int("W")
+        self.n = [z3.Int(f"n{b}") for b in range(B)]
+        self.m = [z3.Int(f"m{b}") for b in range(B)]
+        self.a = [z3.Int(f"a{b}") for b in range(B)]  # accepted drafts
+        self.assumptions = [self.k >= 0]
+        for n, m, a in zip(self.n, self.m, self.a):
+            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
+                                 a >= m - 1, a <= self.k]
+        self.sizes = [self.k, self.W] + self.n + self.m + self.a
+
+
 def row_independent(bt, one) -> bool:
     """Whether every row of the symbolic batch ``bt`` computes, syntactically, the terms
     of the batch-1 model ``one`` over its own variables: each output term of row ``b``

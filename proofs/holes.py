@@ -46,7 +46,7 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, row_independent, symbolic, val
+from .core import Obligation, Query, VerifyRows, any_row, row_independent, symbolic, val
 from .ops import Z3, cell, column, row, scalar, zt
 
 STRATEGY = "holes"
@@ -73,19 +73,12 @@ def _bits(model, xs) -> str:
 # The step, unbounded
 # ---------------------------------------------------------------------------------------
 
-class HoleStep:
+class HoleStep(VerifyRows):
     """B rows of a holes step; extended slot ``W + i`` at symbolic ``i`` (and ``i2``)."""
 
     def __init__(self, B: int):
-        self.B = B
-        self.k, self.W = z3.Int("k"), z3.Int("W")
-        self.n = [z3.Int(f"n{b}") for b in range(B)]
-        self.m = [z3.Int(f"m{b}") for b in range(B)]
-        self.a = [z3.Int(f"a{b}") for b in range(B)]  # accepted drafts
-        self.assumptions = [self.k >= 0, self.W >= 1]
-        for n, m, a in zip(self.n, self.m, self.a):
-            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
-                                 a >= m - 1, a <= self.k]
+        super().__init__(B)
+        self.assumptions.append(self.W >= 1)
         self.i, self.i2 = z3.Int("i"), z3.Int("i2")
         n_col, m_col, k = column(self.n), column(self.m), scalar(self.k)
         self.valid, self.pos = {}, {}
@@ -93,7 +86,6 @@ class HoleStep:
             self.valid[name] = layout.holes_slot_valid(scalar(i), k, m_col)
             self.pos[name] = layout.holes_slot_position(Z3, scalar(i), k, n_col, m_col)
         self.Wn = cell(layout.holes_width(scalar(self.W), k), 0, 0)
-        self.sizes = [self.k, self.W] + self.n + self.m + self.a
 
     def get(self, field: str, b: int, slot: str = "i"):
         return cell(getattr(self, field)[slot], b, 0)
