@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from invariants.view import ForwardRecord, StepView
 
-from . import acceptance, layout
+from . import acceptance, layout, validation
 from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad, rows_where
 from .drafters import NGramDrafter
@@ -108,75 +108,65 @@ class Context:
     target_window: int | None = None
     # () -> dict of strategy facts added to every view's info (built only with hooks)
     info: Callable[[], dict] | None = None
+    # the target's vocabulary size (drafts are checked against it); default: from target
+    vocab: int = 0
+
+    def __post_init__(self):
+        if not self.vocab:
+            self.vocab = vocab_size(self.target)
 
 
 # ---------------------------------------------------------------------------------------
-# Validation at the boundary
+# Validation at the boundary (the rules live in validation.py)
 # ---------------------------------------------------------------------------------------
 
-def _check_causal_lm(model, role: str) -> None:
-    ok = (isinstance(model, torch.nn.Module) and hasattr(model, "config")
-          and not getattr(model.config, "is_encoder_decoder", False)
-          and callable(getattr(model, "get_output_embeddings", None))
-          and model.get_output_embeddings() is not None)
-    if not ok:
-        raise TypeError(
-            f"the {role} must be a transformers causal language model (a *ForCausalLM with an "
-            f"LM head), got {type(model).__name__}"
-        )
-
-
-def _to_ids(prompts, tokenizer) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of token-id lists or a list of strings")
-    if len(prompts) == 0:
-        raise ValueError("prompts must hold at least one prompt, got an empty list")
-    if all(isinstance(p, str) for p in prompts):
-        if tokenizer is None:
-            raise ValueError("text prompts need tokenizer=; or pass token-id lists")
-        return [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if isinstance(p, str):
-            raise TypeError("prompts must be all strings or all token-id lists, not a mix")
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token "
-                             "(the model predicts the next token from it)")
-        out.append(p)
-    return out
-
-
-def validate(target, ids, *, drafter, strategy, k, batch_size, max_new_tokens):
-    _check_causal_lm(target, "target")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k (drafts per step) must be an integer >= 0, got {k!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    vocab = vocab_size(target)
-    for i, p in enumerate(ids):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    ctx = context_length(target)
-    if ctx is not None:
-        for i, p in enumerate(ids):
-            if len(p) + max_new_tokens > ctx:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
-                    f"needs {len(p) + max_new_tokens} positions, beyond the model's context of "
-                    f"{ctx}: prompt + budget must be <= context"
-                )
+def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, max_new_tokens,
+             stop_token_ids, hooks, window, hole_threshold):
+    """Every check of ``generate``'s arguments, before any work; returns them checked
+    (ints as ints, the prompts as id lists, the default drafter filled in, stop ids None
+    for the model's own)."""
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    validation.choice(strategy, "strategy", STRATEGIES)
+    k = validation.integer(k, "k (drafts per step)", minimum=0)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    hooks = validation.hooks(hooks)
+    drafter = NGramDrafter() if drafter is None else drafter
+    validation.drafter(drafter)
     if hasattr(drafter, "check_compatible"):
         drafter.check_compatible(target)
-    if hasattr(drafter, "model"):
-        _check_causal_lm(drafter.model, "draft model")
+    if window is not None:
+        if strategy != "exspec":
+            raise ValueError(f"window= applies to strategy='exspec' only, not {strategy!r}")
+        window = validation.integer(window, "window (requests in the pool)", minimum=1)
+        if window < batch_size:
+            raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
+                             f"= {batch_size}, got {window!r}")
+    if hole_threshold is not None:
+        if strategy != "holes":
+            raise ValueError(f"hole_threshold= applies to strategy='holes' only, not {strategy!r}")
+        hole_threshold = validation.number(hole_threshold, "hole_threshold", 0, 1)
+    if strategy == "holes":  # refuse sliding-window setups a position mask cannot serve
+        holes.check_model(target)
+        if drafter.uses_cache:
+            holes.check_model(drafter.model)
+    return Checked(ids, drafter, stops, hooks, k, batch_size, max_new_tokens, window,
+                   hole_threshold)
+
+
+class Checked(NamedTuple):
+    """``generate``'s arguments after ``validate``."""
+
+    ids: list  # [[int]] per prompt
+    drafter: object
+    stops: list | None  # None: the model's generation config
+    hooks: tuple
+    k: int
+    batch_size: int
+    max_new_tokens: int
+    window: int | None
+    hole_threshold: float | None
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,11 +195,21 @@ def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
         info={"strategy": ctx.strategy, "batch_index": ctx.batch_index,
               **(ctx.info() if ctx.info is not None else {})}, **extra,
     )
+    watch = validation.HookWatch(view, _stores(batch))
     try:
         for hook in ctx.hooks:
             hook(phase, view)
+            watch.check(hook)
     finally:
         ctx.stats.seconds["checks"] += time.perf_counter() - t0
+
+
+def _stores(batch: RaggedBatch) -> tuple:
+    """The cache storage a view exposes (``view.cache_tensors``), named for HookWatch."""
+    out = [("target cache", batch.target_cache.slab.store)]
+    if batch.draft_cache is not None:
+        out.append(("draft cache", batch.draft_cache.slab.store))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def _timed(ctx: Context, phase: str, t0: float) -> float:
 class Spec:
     """What one draft -> verify -> commit produced (device tensors)."""
 
-    # [B, k] long
+    # [B, k] long: the drafts verified (proposed ids, clamped into the vocabulary)
     drafts: torch.Tensor
     # [B] long: drafts each row may use
     limit: torch.Tensor
@@ -270,6 +270,10 @@ class Spec:
     accepted: torch.Tensor
     # [B] long: tokens committed this step
     committed: torch.Tensor
+    # [B, k] long: the ids as proposed (any integer dtype), and [B, k] bool: outside the
+    # vocabulary (validation.checked_drafts; sync raises when any is set)
+    proposed: torch.Tensor | None = None
+    bad_drafts: torch.Tensor | None = None
 
 
 @dataclass
@@ -291,9 +295,10 @@ def speculate(ctx: Context, batch: RaggedBatch) -> Spec:
     # -- draft ---------------------------------------------------------------------------
     remaining = batch.remaining
     limit = layout.draft_limit(layout.TORCH, k, remaining)
-    drafts = ctx.drafter.propose(batch, k)
-    if tuple(drafts.shape) != (b, k):
-        raise ValueError(f"drafter returned drafts of shape {list(drafts.shape)}, expected [{b}, {k}]")
+    proposed = ctx.drafter.propose(batch, k)
+    # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
+    # the forward and flagged, and the flag is read with the step's one sync (``sync``)
+    drafts, bad = validation.checked_drafts(proposed, b, k, dev, ctx.vocab, ctx.step)
     t = _timed(ctx, "draft", t)
     emit(ctx, "draft", batch, drafts=drafts, draft_limit=limit)
 
@@ -328,16 +333,21 @@ def speculate(ctx: Context, batch: RaggedBatch) -> Spec:
     _timed(ctx, "commit", t)
     emit(ctx, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
-    return Spec(drafts, limit, predictions, accepted, committed)
+    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad)
 
 
 def sync(ctx: Context, batch: RaggedBatch, spec: Spec) -> HostStep:
     """The one host sync of the step: finished rows, the longest staying row, committed
-    counts; updates the counters."""
+    counts, whether any draft was outside the vocabulary (then it raises ValueError: the
+    step's output is never returned); updates the counters."""
     b = batch.batch_size
     max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
-    host = torch.cat([batch.finished.long(), spec.committed, max_n[None], spec.limit.sum()[None],
-                      spec.accepted.sum()[None], spec.committed.sum()[None]]).tolist()
+    scalars = torch.stack([max_n, spec.limit.sum(), spec.accepted.sum(), spec.committed.sum(),
+                           spec.bad_drafts.sum()])  # [5] long
+    host = torch.cat([batch.finished.long(), spec.committed, scalars]).tolist()
+    if host[2 * b + 4]:
+        validation.raise_bad_drafts(spec.proposed, spec.bad_drafts, batch.row_ids, ctx.vocab,
+                                    ctx.step)
     st = ctx.stats
     st.steps += 1
     st.drafted += host[2 * b + 1]
@@ -405,44 +415,29 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     the reclaimable share of the width passes it, in ``[0, 1]``; default
     ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache is full).
     """
-    ids = _to_ids(prompts, tokenizer)
-    drafter = NGramDrafter() if drafter is None else drafter
-    validate(target, ids, drafter=drafter, strategy=strategy, k=k, batch_size=batch_size,
-             max_new_tokens=max_new_tokens)
-    if window is not None:
-        if strategy != "exspec":
-            raise ValueError(f"window= applies to strategy='exspec' only, not {strategy!r}")
-        if not isinstance(window, int) or window < batch_size:
-            raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
-                             f"= {batch_size}, got {window!r}")
-    if hole_threshold is not None:
-        if strategy != "holes":
-            raise ValueError(f"hole_threshold= applies to strategy='holes' only, not {strategy!r}")
-        if not isinstance(hole_threshold, (int, float)) or not 0 <= hole_threshold <= 1:
-            raise ValueError(f"hole_threshold must be a number in [0, 1], got {hole_threshold!r}")
-    window_t = None
-    if strategy == "holes":  # refuse sliding-window setups a position mask cannot serve
-        holes.check_model(target)
-        if hasattr(drafter, "model"):
-            holes.check_model(drafter.model)
-        window_t = cache_mod.sliding_window(target)
+    a = validate(target, prompts, tokenizer=tokenizer, drafter=drafter, strategy=strategy, k=k,
+                 batch_size=batch_size, max_new_tokens=max_new_tokens,
+                 stop_token_ids=stop_token_ids, hooks=hooks, window=window,
+                 hole_threshold=hole_threshold)
+    ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
+    window_t = cache_mod.sliding_window(target) if strategy == "holes" else None
     dev = next(target.parameters()).device
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    stops = model_stop_ids(target) if a.stops is None else a.stops
     ctx_len = context_length(target)
     ctx = Context(
         target=target, drafter=drafter, k=k,
         stop_ids=torch.tensor(stops, dtype=torch.long, device=dev), stop_tuple=tuple(stops),
-        hooks=tuple(hooks), stats=Stats(),
+        hooks=a.hooks, stats=Stats(),
         max_position=(ctx_len - 1) if ctx_len else 2**31 - 1, strategy=strategy,
         profile=STRATEGY_MODULES[strategy].PROFILE, target_window=window_t,
-        hole_threshold=holes.DEFAULT_THRESHOLD if hole_threshold is None else float(hole_threshold),
+        hole_threshold=holes.DEFAULT_THRESHOLD if a.hole_threshold is None else a.hole_threshold,
     )
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
     done: list = []
     if strategy == "exspec":
         exspec.run(ctx, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                   window=exspec.default_window(batch_size) if window is None else window,
+                   window=exspec.default_window(batch_size) if a.window is None else a.window,
                    done=done)
         return Result(sequences=collect(done, len(ids)), stats=ctx.stats)
     if strategy == "holes":
