@@ -23,7 +23,6 @@ through plain text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -520,40 +519,42 @@ def load_jsonl(path) -> list[Prompt]:
     A SpecBench line gives a single-turn prompt from its first turn, with its category as
     the kind and its question_id as the id. A plain line gives a prompt of kind "custom",
     with its "id" if present (else ``line-N``). Blank lines are skipped; any other line
-    that does not follow the format raises ValueError naming the file and line number.
+    that does not follow the format raises ValueError naming the file and line number,
+    as do a missing file, a directory and a file that is not UTF-8 text.
     """
+    from .validation import read_text
+
     path = Path(path)
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg}); {JSONL_RULE}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: not a JSON object; {JSONL_RULE}")
-            if "turns" in obj:
-                turns = obj["turns"]
-                if (not isinstance(turns, list) or not turns
-                        or not all(isinstance(t, str) for t in turns)):
-                    raise ValueError(f"{where}: bad 'turns'; {JSONL_RULE}")
-                qid = obj.get("question_id")
-                pid = str(qid) if qid is not None else f"line-{lineno}"
-                kind = obj.get("category")
-                kind = str(kind) if kind else "custom"
-                prompts.append(Prompt(id=pid, kind=kind, messages=_user(turns[0])))
-            elif "prompt" in obj:
-                text = obj["prompt"]
-                if not isinstance(text, str):
-                    raise ValueError(f"{where}: bad 'prompt'; {JSONL_RULE}")
-                pid = obj.get("id")
-                pid = str(pid) if pid is not None else f"line-{lineno}"
-                prompts.append(Prompt(id=pid, kind="custom", messages=_user(text)))
-            else:
-                raise ValueError(f"{where}: neither 'turns' nor 'prompt'; {JSONL_RULE}")
+    for lineno, line in enumerate(read_text(path, "prompt file").split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg}); {JSONL_RULE}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: not a JSON object; {JSONL_RULE}")
+        if "turns" in obj:
+            turns = obj["turns"]
+            if (not isinstance(turns, list) or not turns
+                    or not all(isinstance(t, str) for t in turns)):
+                raise ValueError(f"{where}: bad 'turns'; {JSONL_RULE}")
+            qid = obj.get("question_id")
+            pid = str(qid) if qid is not None else f"line-{lineno}"
+            kind = obj.get("category")
+            kind = str(kind) if kind else "custom"
+            prompts.append(Prompt(id=pid, kind=kind, messages=_user(turns[0])))
+        elif "prompt" in obj:
+            text = obj["prompt"]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: bad 'prompt'; {JSONL_RULE}")
+            pid = obj.get("id")
+            pid = str(pid) if pid is not None else f"line-{lineno}"
+            prompts.append(Prompt(id=pid, kind="custom", messages=_user(text)))
+        else:
+            raise ValueError(f"{where}: neither 'turns' nor 'prompt'; {JSONL_RULE}")
     return prompts
 
 
@@ -566,19 +567,6 @@ def _plain_text(messages) -> str:
     return "\n\n".join(lines) + "\n\nAssistant:"
 
 
-def _as_ids(out) -> list[int]:
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    out = list(out)
-    if out and isinstance(out[0], (list, tuple)):  # a batch of one
-        if len(out) != 1:
-            raise ValueError(f"expected one sequence of token ids, got a batch of {len(out)}")
-        out = list(out[0])
-    return [int(t) for t in out]
-
-
 def encode(prompts, tokenizer) -> list[list[int]]:
     """Token ids of each prompt, ready for generation.
 
@@ -586,6 +574,8 @@ def encode(prompts, tokenizer) -> list[list[int]]:
     Without one: the turns as plain text (a single turn as is; several as "User: ..." /
     "Assistant: ..." lines ending on "Assistant:"), tokenized without special tokens.
     """
+    from .validation import tokenizer_ids
+
     has_template = bool(getattr(tokenizer, "chat_template", None))
     result = []
     for p in prompts:
@@ -593,5 +583,5 @@ def encode(prompts, tokenizer) -> list[list[int]]:
             out = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True)
         else:
             out = tokenizer(_plain_text(p.messages), add_special_tokens=False)
-        result.append(_as_ids(out))
+        result.append(tokenizer_ids(out))
     return result
