@@ -274,4 +274,3 @@ class ForcingDrafter:
         j = torch.arange(k, device=batch.device)[None, :]
         wrong = (drafts + 1) % self.vocab_size
         return torch.where(j == a[:, None], wrong, drafts)
-

@@ -13,8 +13,15 @@ request pool with the same ``prefill``, ``speculate`` and ``sync``. Each strateg
 the layout profile its views carry (``ctx.profile``).
 
 Host synchronisation: one small transfer per step (which rows finished, the longest
-row, the committed counts: ``2B + 4`` integers), needed to size the next tensors; none
-inside draft, verify, commit or the realignment gathers.
+row, the committed counts, whether any draft lay outside the vocabulary: ``2B + 5``
+integers), needed to size the next tensors; none inside draft, verify, commit or the
+realignment gathers.
+
+Validation (``validation.py``): ``generate`` checks every argument before any work;
+``speculate`` checks each ``propose`` result (host facts at once; out-of-vocabulary ids
+are clamped for the verify forward and flagged on the device, and ``sync`` raises
+``ValueError`` when the flag is set, so such a step's output is never returned); ``emit``
+refuses a hook that writes to its view (``validation.HookWatch``).
 """
 
 from __future__ import annotations
@@ -414,6 +421,11 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     ``2 * batch_size``, at least ``batch_size``); ``hole_threshold`` (holes: compact when
     the reclaimable share of the width passes it, in ``[0, 1]``; default
     ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache is full).
+
+    Bad input raises ``TypeError`` (a value of the wrong kind) or ``ValueError`` (out of
+    range) with one line that states the rule (``specdec.validation``), before any work;
+    a drafter's bad output, or a hook's write to its view, raises ``ValueError`` during
+    the run.
     """
     a = validate(target, prompts, tokenizer=tokenizer, drafter=drafter, strategy=strategy, k=k,
                  batch_size=batch_size, max_new_tokens=max_new_tokens,
