@@ -129,6 +129,14 @@ class RaggedBatch:
             draft_cache_lag=draft_cache_lag, model=model, cache_tensors=cache_tensors,
             info=dict(info or {}), **rows, **extra)
 
+    def stores(self) -> tuple:
+        """(name, tensor) of the cache storage a view exposes through ``cache_tensors``
+        (``validation.HookWatch`` watches it for a hook's writes)."""
+        out = [("target cache", self.target_cache.slab.store)]
+        if self.draft_cache is not None:
+            out.append(("draft cache", self.draft_cache.slab.store))
+        return tuple(out)
+
     def contiguous_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, valid) [B, W] in the contiguous profile: each row's real tokens
         right-aligned, in order (the batch's own tensors when it has no holes)."""

@@ -6,18 +6,26 @@ the strategy's own option and model checks), builds the run's ``Context`` (const
 the shared phases (``specdec/phases.py``: prefill -> (draft -> verify -> commit ->
 realign)*, hooks after each phase). The engine names no strategy: they come from
 ``specdec.strategies`` (the registry and the interface every strategy implements).
+
+Validation (``validation.py``): ``generate`` checks every argument before any work
+(``validate``, then the strategy's ``check_options`` and ``check_models``); during the
+run ``phases.speculate`` checks each ``propose`` result (host facts at once; ids outside
+the vocabulary are clamped for the verify forward and flagged on the device, and
+``phases.sync`` raises ``ValueError`` when the flag is set, so such a step's output is
+never returned) and ``phases.emit`` refuses a hook that writes to its view
+(``validation.HookWatch``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Sequence
+from typing import NamedTuple
 
 import torch
 
 from . import cache as cache_mod
-from . import strategies
+from . import strategies, validation
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
 from .phases import Context, State, Stats, collect
@@ -31,71 +39,38 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------
-# Validation at the boundary
+# Validation at the boundary (the rules live in validation.py)
 # ---------------------------------------------------------------------------------------
 
-def _check_causal_lm(model, role: str) -> None:
-    ok = (isinstance(model, torch.nn.Module) and hasattr(model, "config")
-          and not getattr(model.config, "is_encoder_decoder", False)
-          and callable(getattr(model, "get_output_embeddings", None))
-          and model.get_output_embeddings() is not None)
-    if not ok:
-        raise TypeError(
-            f"the {role} must be a transformers causal language model (a *ForCausalLM with an "
-            f"LM head), got {type(model).__name__}"
-        )
+class Checked(NamedTuple):
+    """``generate``'s arguments after ``validate``."""
+
+    ids: list  # [[int]] per prompt
+    drafter: object
+    stops: list | None  # None: the model's generation config
+    hooks: tuple
+    k: int
+    batch_size: int
+    max_new_tokens: int
 
 
-def _to_ids(prompts, tokenizer) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of token-id lists or a list of strings")
-    if len(prompts) == 0:
-        raise ValueError("prompts must hold at least one prompt, got an empty list")
-    if all(isinstance(p, str) for p in prompts):
-        if tokenizer is None:
-            raise ValueError("text prompts need tokenizer=; or pass token-id lists")
-        return [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if isinstance(p, str):
-            raise TypeError("prompts must be all strings or all token-id lists, not a mix")
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token "
-                             "(the model predicts the next token from it)")
-        out.append(p)
-    return out
-
-
-def validate(target, ids, *, drafter, strategy, k, batch_size, max_new_tokens):
-    _check_causal_lm(target, "target")
-    strategies.get(strategy)  # the registry refuses an unknown name
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k (drafts per step) must be an integer >= 0, got {k!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    vocab = vocab_size(target)
-    for i, p in enumerate(ids):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    ctx = context_length(target)
-    if ctx is not None:
-        for i, p in enumerate(ids):
-            if len(p) + max_new_tokens > ctx:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
-                    f"needs {len(p) + max_new_tokens} positions, beyond the model's context of "
-                    f"{ctx}: prompt + budget must be <= context"
-                )
+def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, max_new_tokens,
+             stop_token_ids, hooks) -> Checked:
+    """Every check of ``generate``'s common arguments, before any work; returns them
+    checked (ints as ints, the prompts as id lists, the default drafter filled in, stop ids
+    None for the model's own). Strategy options are the strategy's to check."""
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    validation.choice(strategy, "strategy", strategies.names())
+    k = validation.integer(k, "k (drafts per step)", minimum=0)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    hooks = validation.hooks(hooks)
+    drafter = NGramDrafter() if drafter is None else drafter
+    validation.drafter(drafter)
     if hasattr(drafter, "check_compatible"):
         drafter.check_compatible(target)
-    if hasattr(drafter, "model"):
-        _check_causal_lm(drafter.model, "draft model")
+    return Checked(ids, drafter, stops, hooks, k, batch_size, max_new_tokens)
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,25 +91,30 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     ``hole_threshold`` (holes: compact when the reclaimable share of the width passes it,
     in ``[0, 1]``; default ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache
     is full).
+
+    Bad input raises ``TypeError`` (a value of the wrong kind) or ``ValueError`` (out of
+    range) with one line that states the rule (``specdec.validation``), before any work;
+    a drafter's bad output, or a hook's write to its view, raises ``ValueError`` during
+    the run.
     """
-    ids = _to_ids(prompts, tokenizer)
-    drafter = NGramDrafter() if drafter is None else drafter
-    validate(target, ids, drafter=drafter, strategy=strategy, k=k, batch_size=batch_size,
-             max_new_tokens=max_new_tokens)
+    a = validate(target, prompts, tokenizer=tokenizer, drafter=drafter, strategy=strategy, k=k,
+                 batch_size=batch_size, max_new_tokens=max_new_tokens,
+                 stop_token_ids=stop_token_ids, hooks=hooks)
+    ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
     plugin = strategies.get(strategy)
     given = {name: v for name, v in options.items() if v is not None}
     check_option_names(plugin, given)
     resolved = plugin.check_options(given, batch_size=batch_size)
     plugin.check_models(target, drafter)
     dev = next(target.parameters()).device
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    stops = model_stop_ids(target) if a.stops is None else a.stops
     ctx_len = context_length(target)
     ctx = Context(
         target=target, drafter=drafter, k=k,
         stop_ids=torch.tensor(stops, dtype=torch.long, device=dev), stop_tuple=tuple(stops),
-        hooks=tuple(hooks), max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
+        hooks=a.hooks, max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
         strategy=strategy, options=MappingProxyType(dict(resolved)),
-        target_window=cache_mod.sliding_window(target),
+        target_window=cache_mod.sliding_window(target), vocab=vocab_size(target),
     )
     state = State(profile=plugin.profile)
     if hasattr(drafter, "bind"):

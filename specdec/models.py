@@ -186,16 +186,44 @@ def load(name_or_path: str):
     return model.eval(), tok
 
 
+def known_names() -> str:
+    """The model names ``resolve`` knows, for error messages."""
+    return (f"default ({DEFAULT_MODEL_NAME}), " + ", ".join(f"tiny:{f}" for f in FAMILIES)
+            + ", tiny-draft:FAMILY, a local Hugging Face directory or a hub name")
+
+
 def resolve(name: str | None):
     """(model, tokenizer) for a command-line model name: None or 'default' -> the default
-    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); anything else -> ``load``."""
+    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); an existing directory or a hub
+    name ('org/model') -> ``load``. Anything else raises ValueError listing the known
+    names; a path that does not exist says so."""
     if name in (None, "default", DEFAULT_MODEL_NAME):
         return default_model()
-    if name.startswith("tiny:"):
-        return tiny(name.split(":", 1)[1]), None
-    if name.startswith("tiny-draft:"):
-        return tiny_draft(name.split(":", 1)[1]), None
-    return load(name)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a model name must be a non-empty string; known: {known_names()}; "
+                        f"got {name!r}")
+    for prefix, make in (("tiny:", tiny), ("tiny-draft:", tiny_draft)):
+        if name.startswith(prefix):
+            family = name[len(prefix):]
+            if family not in FAMILIES:
+                raise ValueError(f"unknown model {name!r}: tiny families are {', '.join(FAMILIES)}; "
+                                 f"known names: {known_names()}")
+            return make(family), None
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model path {name} is not a Hugging Face model directory (no "
+                             "config.json in it)")
+        return load(str(path))
+    hub_like = name.count("/") <= 1 and not name.startswith(("/", ".", "~")) and ":" not in name
+    if not hub_like:
+        raise ValueError(f"model path {name} does not exist; known names: {known_names()}")
+    try:
+        return load(name)
+    except OSError as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise ValueError(f"unknown model {name!r}: not a local directory, and the hub says: "
+                         f"{first}; known names: {known_names()}") from None
 
 
 def stop_token_ids(model) -> list[int]:

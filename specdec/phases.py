@@ -13,8 +13,15 @@ After each phase every hook is called as ``hook(phase, view)`` with a read-only
 ``invariants.StepView`` (``RaggedBatch.view``); nothing is built when there are no hooks.
 
 Host synchronisation: one small transfer per step (``sync``: which rows finished, the
-longest row, the committed counts: ``2B + 4`` integers), needed to size the next tensors;
-none inside draft, verify, commit or the realignment gathers.
+longest row, the committed counts, whether any draft lay outside the vocabulary: ``2B + 5``
+integers), needed to size the next tensors; none inside draft, verify, commit or the
+realignment gathers.
+
+Checks while decoding (``validation.py``): ``speculate`` checks each ``propose`` result
+(type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
+verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
+and raises ``ValueError``, so such a step's output is never returned); ``emit`` refuses a
+hook that writes to its view (``validation.HookWatch``, tensor version counters).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import torch
 
 from invariants.view import ForwardRecord, StepView
 
-from . import acceptance, layout
+from . import acceptance, layout, validation
 from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad, rows_where
+from .models import vocab_size
 
 PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
 
@@ -98,6 +106,12 @@ class Context:
     options: Mapping = field(default_factory=lambda: MappingProxyType({}))
     # sliding window of the target (None: full attention); holes need position masks
     target_window: int | None = None
+    # the target's vocabulary size (every draft is checked against it); 0: the target's
+    vocab: int = 0
+
+    def __post_init__(self):
+        if not self.vocab:
+            object.__setattr__(self, "vocab", vocab_size(self.target))
 
 
 @dataclass
@@ -131,9 +145,11 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
         stop_token_ids=ctx.stop_tuple, model=ctx.target, draft_cache_lag=lag,
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
               **(state.info() if state.info is not None else {})}, **extra)
+    watch = validation.HookWatch(view, batch.stores())
     try:
         for hook in ctx.hooks:
             hook(phase, view)
+            watch.check(hook)
     finally:
         state.stats.seconds["checks"] += time.perf_counter() - t0
 
@@ -197,6 +213,10 @@ class Spec:
     accepted: torch.Tensor
     # [B] long: tokens committed this step
     committed: torch.Tensor
+    # [B, k] long: the ids as proposed (any integer dtype; ``drafts`` holds them clamped
+    # into the vocabulary), and [B, k] bool: outside the vocabulary (``sync`` raises)
+    proposed: torch.Tensor | None = None
+    bad_drafts: torch.Tensor | None = None
 
 
 @dataclass
@@ -218,9 +238,10 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     # -- draft ---------------------------------------------------------------------------
     remaining = batch.remaining
     limit = layout.draft_limit(layout.TORCH, k, remaining)
-    drafts = ctx.drafter.propose(batch, k)
-    if tuple(drafts.shape) != (b, k):
-        raise ValueError(f"drafter returned drafts of shape {list(drafts.shape)}, expected [{b}, {k}]")
+    proposed = ctx.drafter.propose(batch, k)
+    # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
+    # the forward and flagged, and the flag is read with the step's one sync (``sync``)
+    drafts, bad = validation.checked_drafts(proposed, b, k, dev, ctx.vocab, state.step)
     t = timed(state, "draft", t)
     emit(ctx, state, "draft", batch, drafts=drafts, draft_limit=limit)
 
@@ -255,16 +276,22 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     timed(state, "commit", t)
     emit(ctx, state, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
-    return Spec(drafts, limit, predictions, accepted, committed)
+    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad)
 
 
 def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep:
     """The one host sync of the step: finished rows, the longest staying row, committed
-    counts; updates the counters and the step number."""
+    counts, whether any draft was outside the vocabulary (then it raises ValueError: the
+    step's output is never returned); updates the counters and the step number."""
     b = batch.batch_size
     max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
-    host = torch.cat([batch.finished.long(), spec.committed, max_n[None], spec.limit.sum()[None],
-                      spec.accepted.sum()[None], spec.committed.sum()[None]]).tolist()
+    bad = spec.bad_drafts.sum() if spec.bad_drafts is not None else torch.zeros_like(max_n)
+    scalars = torch.stack([max_n, spec.limit.sum(), spec.accepted.sum(), spec.committed.sum(),
+                           bad])  # [5] long
+    host = torch.cat([batch.finished.long(), spec.committed, scalars]).tolist()
+    if host[2 * b + 4]:
+        validation.raise_bad_drafts(spec.proposed, spec.bad_drafts, batch.row_ids, ctx.vocab,
+                                    state.step)
     st = state.stats
     st.steps += 1
     st.drafted += host[2 * b + 1]

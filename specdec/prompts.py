@@ -36,7 +36,6 @@ through plain text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -74,13 +73,16 @@ def builtin_prompts() -> list[Prompt]:
 
 
 def load_jsonl(path) -> list[Prompt]:
-    """Prompts from a JSON-lines file (see the module docstring for the line formats)."""
+    """Prompts from a JSON-lines file (see the module docstring for the line formats).
+    A missing file, a directory and a file that is not UTF-8 text raise ValueError (or
+    OSError) naming the path."""
+    from .validation import read_text
+
     path = Path(path)
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                prompts.append(_record(line, f"{path}:{lineno}", lineno))
+    for lineno, line in enumerate(read_text(path, "prompt file").split("\n"), 1):
+        if line.strip():
+            prompts.append(_record(line, f"{path}:{lineno}", lineno))
     return prompts
 
 
@@ -147,19 +149,6 @@ def plain_text(messages) -> str:
     return "\n\n".join(lines) + "\n\nAssistant:"
 
 
-def _as_ids(out) -> list[int]:
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    out = list(out)
-    if out and isinstance(out[0], (list, tuple)):  # a batch of one
-        if len(out) != 1:
-            raise ValueError(f"expected one sequence of token ids, got a batch of {len(out)}")
-        out = list(out[0])
-    return [int(t) for t in out]
-
-
 def encode(prompts, tokenizer) -> list[list[int]]:
     """Token ids of each prompt, ready for generation.
 
@@ -167,6 +156,8 @@ def encode(prompts, tokenizer) -> list[list[int]]:
     add_generation_prompt=True)``. Without one: ``plain_text(messages)``, tokenized
     without special tokens.
     """
+    from .validation import tokenizer_ids
+
     has_template = bool(getattr(tokenizer, "chat_template", None))
     result = []
     for p in prompts:
@@ -174,5 +165,5 @@ def encode(prompts, tokenizer) -> list[list[int]]:
             out = tokenizer.apply_chat_template(joined(p.messages), add_generation_prompt=True)
         else:
             out = tokenizer(plain_text(p.messages), add_special_tokens=False)
-        result.append(_as_ids(out))
+        result.append(tokenizer_ids(out))
     return result

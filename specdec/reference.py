@@ -14,7 +14,7 @@ import torch
 from . import cache as cache_mod
 from . import layout
 from .batch import left_pad
-from .engine import _check_causal_lm, _to_ids
+from . import validation
 from .models import stop_token_ids as model_stop_ids
 
 
@@ -25,14 +25,13 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
 
     With ``return_margins=True`` also returns, per prompt, the top-1 minus top-2 logit
     margin of the target at every generated position (a list of floats).
+    Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     """
-    _check_causal_lm(target, "target")
-    ids = _to_ids(prompts, tokenizer)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    stops = model_stop_ids(target) if stops is None else stops
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []

@@ -21,6 +21,7 @@ from invariants import InvariantViolation, Monitor, guard_model
 from invariants import predicates as P
 from specdec import drafters, models
 from host_reads import forbid_host_reads
+from specdec.validation import fault_injection
 
 DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 
@@ -98,7 +99,8 @@ def test_fast_monitor_catches_a_mistake_on_gpu_and_reports_it_at_check():
             view.positions[:, -1] += 1
 
     mon = Monitor("fast")
-    specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[shift, without_sync(mon)])
+    specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
+                     hooks=[fault_injection(shift), without_sync(mon)])
     with pytest.raises(InvariantViolation) as err:
         mon.check()
     assert (err.value.invariant, err.value.step) == ("I3", 2)

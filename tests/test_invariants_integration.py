@@ -19,6 +19,7 @@ from conftest import tiny_pair
 from invariants import InvariantViolation, Monitor, guard_model
 from specdec import drafters, models
 from specdec.strategies import names as strategy_names
+from specdec.validation import fault_injection
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -137,7 +138,7 @@ def test_deep_mode_catches_a_corrupted_kv_cache():
 
     with pytest.raises(InvariantViolation) as err:
         specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
-                         hooks=[corrupt, Monitor("deep")])
+                         hooks=[fault_injection(corrupt), Monitor("deep")])
     v = err.value
     assert (v.invariant, v.phase, v.step, v.rows) == ("I5", "realign", 2, [0])
     assert v.slots == [[v.trace["width"] - 2]]
@@ -153,7 +154,7 @@ def test_deep_mode_catches_an_output_that_leaves_greedy_decoding():
 
     with pytest.raises(InvariantViolation) as err:
         specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
-                         hooks=[corrupt, Monitor("deep", invariants=("I7",))])
+                         hooks=[fault_injection(corrupt), Monitor("deep", invariants=("I7",))])
     v = err.value
     assert (v.invariant, v.rows, v.slots) == ("I7", [1], [[0]])
     assert "desync" in v.rules[0]
@@ -167,7 +168,7 @@ def test_recording_mode_lets_a_broken_run_finish():
             view.positions[:, -1] += 1
 
     mon = Monitor("strict", raise_on_violation=False, run={"family": "llama"})
-    res = specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[shift, mon])
+    res = specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[fault_injection(shift), mon])
     realigns = res.stats.steps - 1
     assert len(mon.violations) >= realigns > 0
     assert {v.invariant for v in mon.violations} == {"I3"}
@@ -190,7 +191,7 @@ def test_deep_mode_records_a_near_tie_instead_of_raising():
             view.output[0, i] = u if ref[i] == t else t
 
     mon = Monitor("deep", invariants=("I7",))
-    specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET, hooks=[flip, mon])
+    specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET, hooks=[fault_injection(flip), mon])
     assert mon.check() == []
     assert [(n["row_id"], n["index"]) for n in mon.near_ties] == [(0, i)]
     assert mon.near_ties[0]["margin"] <= 1e-3

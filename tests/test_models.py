@@ -46,3 +46,19 @@ def test_cache_dir_moves_with_the_environment(monkeypatch, tmp_path):
 def test_default_gguf_is_found_through_importlib():
     path = models.default_gguf_path()
     assert path.name == models.DEFAULT_MODEL_GGUF and path.exists()
+
+
+def test_unknown_model_names_list_the_known_ones(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'tiny:bert': tiny families are llama"):
+        models.resolve("tiny:bert")
+    with pytest.raises(ValueError, match="model path /no/such/dir does not exist; known names: default"):
+        models.resolve("/no/such/dir")
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        models.resolve(str(tmp_path))
+
+    def offline(name):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}.\nMore text")
+    monkeypatch.setattr(models, "load", offline)
+    with pytest.raises(ValueError, match=r"unknown model 'nosuch': not a local directory, and the "
+                                         r"hub says: We couldn't connect .*; known names: default"):
+        models.resolve("nosuch")

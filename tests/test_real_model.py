@@ -66,3 +66,15 @@ def test_eqspec_batch_8_equals_batch_1_greedy(real_model, chat_ids, reference):
             failures.append(row)
     assert not failures, f"rows {failures} desynchronised (margin above the near-tie tolerance)"
     assert res.stats.steps > 0 and res.stats.accepted > 0
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "holes", "reference"])
+def test_a_text_that_tokenises_to_nothing_is_refused(real_model, strategy):
+    """Issue 11: "" decoded as row 0 returned drafter-dependent garbage."""
+    model, tok = real_model
+    texts = ["", "Name three colours."]
+    with pytest.raises(ValueError, match="prompt 0 is empty: .* the text '' tokenises to 0 tokens"):
+        if strategy == "reference":
+            specdec.reference_generate(model, texts, tokenizer=tok, max_new_tokens=12)
+        else:
+            specdec.generate(model, texts, tokenizer=tok, strategy=strategy, max_new_tokens=12)

@@ -36,6 +36,14 @@ def engine_names() -> tuple[str, ...]:
     return correct_names() + tuple(KNOWN_BAD)
 
 
+def check_engines(engines: list) -> list:
+    """``engines`` if every name is known, else ValueError listing the known ones."""
+    unknown = [e for e in engines if e not in engine_names()]
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(engine_names())}")
+    return engines
+
+
 @dataclass
 class EngineReport:
     name: str
@@ -184,10 +192,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
     from .. import drafters, engine, reference
     from .known_bad import KNOWN_BAD, generate_known_bad
 
-    engines = list(engines or engine_names())
-    unknown = [e for e in engines if e not in engine_names()]
-    if unknown:
-        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(engine_names())}")
+    engines = check_engines(list(engines or engine_names()))
     drafter_factory = drafter_factory or drafters.NGramDrafter
     if report is None:
         report = Report(model_name, len(ids), {"batch_size": batch_size, "k": k,

@@ -49,7 +49,7 @@ from invariants.view import ForwardRecord
 from .. import acceptance, layout
 from ..batch import PAD_FILL, RaggedBatch, left_pad
 from ..cache import CACHE_KWARG, SlabCache, crop_dynamic
-from ..engine import _to_ids
+from .. import validation
 from ..phases import Stats
 from ..models import stop_token_ids as model_stop_ids
 
@@ -97,12 +97,17 @@ def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=3
     Returns (sequences, Stats)."""
     if fault is not None and fault not in KNOWN_BAD:
         raise ValueError(f"unknown known-bad engine {fault!r}; expected one of {list(KNOWN_BAD)}")
-    ids = _to_ids(prompts, tokenizer)
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stop_token_ids = validation.request(
+        target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    k = validation.integer(k, "k (drafts per step)", minimum=0)
+    hooks = validation.hooks(hooks)
+    validation.drafter(drafter)
+    if hasattr(drafter, "check_compatible"):
+        drafter.check_compatible(target)
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
-    size = len(ids) if batch_size is None else int(batch_size)
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    size = len(ids) if batch_size is None else validation.integer(batch_size, "batch_size", minimum=1)
     seqs, stats = [], Stats()
     for index, start in enumerate(range(0, len(ids), size)):
         out = _run_batch(fault, target, ids[start : start + size], start, index, drafter=drafter,

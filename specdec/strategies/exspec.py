@@ -67,7 +67,7 @@ from collections import deque
 import torch
 
 from .. import cache as cache_mod
-from .. import layout
+from .. import layout, validation
 from ..batch import PAD_FILL, RaggedBatch, host_rows, take_rows
 from ..phases import emit, prefill, retire, speculate, sync, timed
 from . import Option, Strategy
@@ -272,8 +272,9 @@ class ExSpec(Strategy):
     options = (Option("window", int, "requests held in the pool (default 2x batch size)"),)
 
     def check_options(self, options: dict, *, batch_size: int) -> dict:
-        window = options.get("window", default_window(batch_size))
-        if not isinstance(window, int) or window < batch_size:
+        window = validation.integer(options.get("window", default_window(batch_size)),
+                         "window (requests in the pool)", minimum=1)
+        if window < batch_size:
             raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
                              f"= {batch_size}, got {window!r}")
         return {"window": window}

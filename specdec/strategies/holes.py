@@ -76,7 +76,7 @@ from __future__ import annotations
 import torch
 
 from .. import cache as cache_mod
-from .. import layout
+from .. import layout, validation
 from ..batch import PAD_FILL, RaggedBatch, compact_sources, rows_leaving
 from . import FixedBatches, Option
 
@@ -148,10 +148,8 @@ class Holes(FixedBatches):
                       f"(0..1, default {DEFAULT_THRESHOLD})"),)
 
     def check_options(self, options: dict, *, batch_size: int) -> dict:
-        h = options.get("hole_threshold", DEFAULT_THRESHOLD)
-        if not isinstance(h, (int, float)) or not 0 <= h <= 1:
-            raise ValueError(f"hole_threshold must be a number in [0, 1], got {h!r}")
-        return {"hole_threshold": float(h)}
+        return {"hole_threshold": validation.number(options.get("hole_threshold", DEFAULT_THRESHOLD),
+                                         "hole_threshold", 0, 1)}
 
     def check_models(self, target, drafter) -> None:
         """Refuse sliding-window setups a position mask cannot serve."""
