@@ -15,7 +15,8 @@ from transformers import DynamicCache
 
 from invariants import InvariantViolation, guard_model
 from invariants.equivalence import greedy_reference
-from strategies import forbid_host_reads, hf_tiny_llama
+from invariants.testing import no_host_transfers
+from strategies import hf_tiny_llama
 
 torch.set_num_threads(1)
 
@@ -232,7 +233,7 @@ def test_fast_mode_raises_when_the_block_ends(model):
 def test_fast_mode_checks_a_forward_without_reading_tensor_values(model):
     ids, mask = left_pad(PROMPTS)
     with guard_model(model, mode="fast", raise_on_violation=False) as g:
-        with forbid_host_reads():
+        with no_host_transfers():
             g._pre(model, (ids,), {"attention_mask": mask})  # implicit positions: wrong
     assert [v.invariant for v in g.violations] == ["I3"]
 
