@@ -162,6 +162,7 @@ def zero(counts: dict) -> bool:
     return counts == {"read": 0, "upload": 0, "dynamic_shape": 0}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fast_checkers_never_transfer_and_strict_reads_once_per_step(family, strategy):
     target, draft = tiny_pair(family)
@@ -186,6 +187,7 @@ def test_fast_checkers_never_transfer_and_strict_reads_once_per_step(family, str
                for c in per_step.values())
 
 
+@pytest.mark.engine
 def test_the_strict_guard_reads_once_per_forward():
     target, _ = tiny_pair("llama")
     with watched_guard(target, "strict") as (guard, logs):
@@ -194,6 +196,7 @@ def test_the_strict_guard_reads_once_per_forward():
     assert all(log.reads <= 1 and log.uploads == 0 and log.dynamic_shapes == 0 for log in logs)
 
 
+@pytest.mark.engine
 def test_a_failing_fast_run_still_transfers_nothing_until_check():
     target, _ = tiny_pair("qwen3")
 
@@ -209,6 +212,7 @@ def test_a_failing_fast_run_still_transfers_nothing_until_check():
     assert (err.value.invariant, err.value.step) == ("I3", 2)
 
 
+@pytest.mark.engine
 def test_stop_ids_reach_the_device_without_an_upload():
     target, _ = tiny_pair("llama")
     many = list(range(90, 90 + 2 * models.TINY_VOCAB // 16))  # past the compare limit: a tensor

@@ -29,7 +29,7 @@ from invariants.testing import TransferLog, no_host_transfers
 
 DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.engine,
               pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")]
 
 transformers.logging.set_verbosity_error()

@@ -20,6 +20,8 @@ from invariants import InvariantViolation, Monitor, guard_model
 from specdec import drafters, models
 from specdec.engine import STRATEGIES
 
+pytestmark = pytest.mark.engine
+
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
 

@@ -89,3 +89,17 @@ def test_text_prompts_need_a_tokenizer(target):
 def test_scripted_drafter_needs_a_script_per_prompt(target):
     with pytest.raises(ValueError, match="one script per prompt"):
         specdec.generate(target, [[5], [6]], drafter=drafters.ScriptedDrafter([[1, 2]]), max_new_tokens=2)
+
+
+def test_the_engine_refuses_a_transformers_its_cache_was_not_written_for(monkeypatch):
+    """The package installs next to transformers 4.51 (the checker works there); the engine
+    refuses at run time, saying which release it needs and how to get it."""
+    from specdec import cache
+    from strategies import hf_tiny_llama
+
+    model = hf_tiny_llama()  # transformers alone: builds on 4.51 and 5.24 alike
+    monkeypatch.setattr(cache.transformers, "__version__", "4.51.3")
+    with pytest.raises(cache.UnsupportedTransformersError,
+                       match=r"needs transformers 5\.24\.x.*found transformers 4\.51\.3.*"
+                             r"pip install 'transformers>=5\.24,<5\.25'"):
+        specdec.generate(model, [[5, 6, 7]], max_new_tokens=2)
