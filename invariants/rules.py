@@ -131,6 +131,22 @@ class Constants:
             t = self._cache[key] = torch.arange(n, device=device)[None, :]
         return t
 
+    def count(self, value: int, b: int, device) -> torch.Tensor:
+        """[b] long, all ``value``."""
+        key = ("count", value, b, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.full((b,), value, dtype=torch.long, device=device)
+        return t
+
+    def zeros(self, b: int, device) -> torch.Tensor:
+        """[b] bool, all False."""
+        key = ("zeros", b, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.zeros(b, dtype=torch.bool, device=device)
+        return t
+
     def ones(self, b: int, n: int, device) -> torch.Tensor:
         """[b, n] bool, all True."""
         key = ("ones", b, n, device)
@@ -838,13 +854,58 @@ class Fusion:
     fused: Callable
 
 
-def _prev_columns(f: Facts):
-    rows, found = f._rows_of(f.prev)
-    return rows[:, 1], rows[:, 2], rows[:, 3:], found
+#: a coefficient that switches a constraint off (any count in a view is far below it)
+BIG = 1 << 40
+
+#: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them
+COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "pg", "inactive", "lead", "a_k",
+                    "a_k1", "one", "unknown", "fin", "last", "atb", "at_limit", "slots")
+#: the commit's row rules as linear constraints: each {variable: coefficient} must be
+#: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row)
+COMMIT_CONSTRAINTS = (
+    {"g": 1},                                               # g >= 0
+    {"budgets": 1, "g": -1},                                # g <= budget
+    {"one": "T", "g": -1},                                  # g <= output width
+    {"fin": 1, "last": -1},                                 # ends on a stop -> finished
+    {"fin": 1, "atb": -1},                                  # at its budget -> finished
+    {"last": 1, "atb": 1, "fin": -1},                       # finished -> stop or budget
+    {"gb": 1, "pg": -1, "unknown": BIG},                    # generated_before = previous
+    {"pg": 1, "gb": -1, "unknown": BIG},                    #   generated (known rows)
+    {"g": 1, "gb": -1, "m": -1},                            # generated = before + committed
+    {"gb": 1, "m": 1, "g": -1},
+    {"m": 1, "one": -1, "inactive": BIG},                   # 1 <= committed (active rows)
+    {"one": "k1", "m": -1, "inactive": BIG},                # committed <= k + 1
+    {"a": 1, "one": 1, "m": -1, "inactive": BIG},           # committed <= accepted + 1
+    {"m": 1, "a": -1, "one": -1, "inactive": BIG, "last": BIG, "atb": BIG},  # = unless cut
+    {"a": 1},                                               # 0 <= accepted
+    {"lim": 1, "a": -1},                                    # accepted <= draft_limit
+    {"lead": 1, "a_k": -1},                                 # drafts before it all match
+    {"a_k1": 1, "lead": -1, "at_limit": BIG},               # the next one does not match
+    {"slots": -1},                                          # nothing wrong in the output
+)
+
+
+def _commit_coefficients(f: Facts, t: int, k: int, dtype) -> torch.Tensor:
+    """[variables, constraints] of COMMIT_CONSTRAINTS on the view's device, written by
+    fill kernels (no host->device copy) once per (T, k, device, dtype)."""
+    key = ("commit", t, k, f.device, dtype)
+    c = f.consts._cache.get(key)
+    if c is None:
+        index = {n: i for i, n in enumerate(COMMIT_VARIABLES)}
+        c = torch.zeros(len(COMMIT_VARIABLES), len(COMMIT_CONSTRAINTS), dtype=dtype,
+                        device=f.device)
+        for j, terms in enumerate(COMMIT_CONSTRAINTS):
+            for name, w in terms.items():
+                w = {"T": t, "k1": k + 1}.get(w, w)
+                c[index[name], j : j + 1].fill_(w)
+        f.consts._cache[key] = c
+    return c
 
 
 def _fused_commit_phase(f: Facts):
-    """I6 state + history + commit rules at a commit view."""
+    """I6 state + history + commit rules at a commit view: the output-wide rules as a few
+    [B, T] and [B, k] expressions, every row rule at once as integer linear constraints
+    (``COMMIT_CONSTRAINTS``: one stack, one product)."""
     v = f.view
     out, g, m, gb, a = v.output, v.generated, v.committed, v.generated_before, v.accepted
     lim, preds, drafts, k = v.draft_limit, v.predictions, v.drafts, v.k
@@ -852,38 +913,38 @@ def _fused_commit_phase(f: Facts):
     if gb is None or a is None or lim is None or preds is None or drafts is None or not k \
             or f.prev is None or not t or preds.shape[1] != k + 1:
         return None
-    pg, pfin, pout, found = _prev_columns(f)
+    rows, found = f._rows_of(f.prev)
+    pout = rows[:, 3:]
     if pout.shape[1] != t:
         return None
-    dev, budgets = f.device, v.budgets
-    col = f.consts.row(t, dev)
-    i = f.consts.row(k + 1, dev)
+    col = f.consts.row(t, f.device)
+    i = f.consts.row(k + 1, f.device)
     so = P.stop_mask(out, f.stops)
     gm1 = (g - 1)[:, None]
     # output indices: unchanged below the previous generated (history), no stop token
-    # before the last output (state), the last output (a stop token or not)
-    stale = (out != pout) & (col < pg[:, None])
+    # before the last output (state), the committed tokens are the predictions
+    stale = (out != pout) & (col < rows[:, 1:2])
     if found is not None:
         stale = stale & found[:, None]
-    slots = (stale | (so & (col < gm1))).any(dim=1)
-    last = (so & (col == gm1)).any(dim=1)  # exact when g <= T (else "g <= T" flags)
-    # the committed tokens are the predictions y_0 .. y_(m-1)
-    mcol = m[:, None]
     wrote = out.gather(1, (gb[:, None] + i).clamp(0, t - 1))
-    tokens = ((wrote != preds) & (i < mcol)).any(dim=1)
-    # accepted: the longest matching prefix of the drafts, capped by the draft limit
+    slots = (stale | (so & (col < gm1))).any(dim=1) \
+        | ((wrote != preds) & (i < m[:, None])).any(dim=1)
+    last = (so & (col == gm1)).any(dim=1)  # exact when g <= T (else "g <= T" flags)
+    # the longest matching prefix of the drafts
     lead = (drafts == preds[:, :k]).cumprod(dim=1).sum(dim=1)
-    prefix = (lead < a.clamp(max=k)) | ((a < lim) & (lead > a.clamp(max=k - 1)))
-    atb = g >= budgets
-    cut = last | atb
-    a1 = a + 1
-    active = pfin == 0 if found is None else (pfin == 0) | ~found
-    counts = torch.stack([m < 1, m > k + 1, m > a1, (m < a1) & ~cut]).any(dim=0) & active
-    gen_before = gb != pg if found is None else (gb != pg) & found
-    return torch.stack([
-        slots, tokens, prefix, counts, gen_before,
-        g < 0, g > budgets.clamp(max=t), f.finished != cut, g != gb + m, a < 0, a > lim,
-    ]).any(dim=0)
+    inactive, unknown = rows[:, 2], f.consts.zeros(f.B, f.device)
+    if found is not None:
+        inactive, unknown = inactive * found, ~found
+    counts = torch.stack([g, gb, m, a, lim, v.budgets, rows[:, 1], inactive, lead,
+                          a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device)],
+                         dim=1)
+    flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, slots], dim=1)
+    # int64 products on the CPU; float64 elsewhere (exact for counts below 2^52)
+    exact = torch.long if f.device.type == "cpu" else torch.float64
+    x = torch.cat([counts, flags.to(counts.dtype)], dim=1)
+    if x.dtype != exact:
+        x = x.to(exact)
+    return ((x @ _commit_coefficients(f, t, k, exact)) < 0).any(dim=1)
 
 
 def _realign_ready(f: Facts) -> bool:

@@ -151,10 +151,23 @@ VIEWS = monitored_views() + monitored_views(seed=3, accept_p=1.0, profile="holes
     + monitored_views(prompts=[[4], [5, 6]], k=1, budget=3, seed=1, accept_p=0.0)
 
 
+COMMITS = [x for x in VIEWS if x[0].phase == "commit"]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fused_expressions_are_exact_on_adversarial_views(data):
-    view, prev, prompts = data.draw(st.sampled_from(VIEWS), label="view")
+    break_view(data, data.draw(st.sampled_from(VIEWS), label="view"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_commit_fusion_is_exact_on_adversarial_commits(data):
+    break_view(data, data.draw(st.sampled_from(COMMITS), label="commit view"))
+
+
+def break_view(data, monitored):
+    view, prev, prompts = monitored
     fields = data.draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True))
     changes = {}
     for name in fields:
