@@ -191,7 +191,9 @@ def measure(setting: str, args) -> list[dict]:
         cpu = {c: [] for c in configs}
         inside = {c: [] for c in configs}
         outputs, steps = {}, {}
-        for rep in range(args.repeats):
+        repeats = args.repeats if setting == "cheap" or args.real_repeats is None \
+            else args.real_repeats
+        for rep in range(repeats):
             order = configs[rep % len(configs):] + configs[: rep % len(configs)]
             for c in order:
                 w, p, seqs, hook_s, n = run_once(c, target, ids, strategy, device, args)
@@ -204,7 +206,7 @@ def measure(setting: str, args) -> list[dict]:
         base_w, base_c = statistics.median(wall["none"]), statistics.median(cpu["none"])
         for c in configs:
             mw, mc = statistics.median(wall[c]), statistics.median(cpu[c])
-            row = {"setting": setting, "model": name, "device": device,
+            row = {"setting": setting, "model": name, "device": device, "repeats": repeats,
                    "dtype": str(next(target.parameters()).dtype), "strategy": strategy,
                    "config": c, "median_seconds": mw, "median_cpu_seconds": mc,
                    "tokens_per_s": tokens / mw, "overhead": mw / base_w - 1.0,
@@ -222,7 +224,7 @@ def measure(setting: str, args) -> list[dict]:
 
 
 def report(rows: list[dict], args) -> None:
-    print(f"{args.repeats} interleaved repeats per configuration, k={args.k}, batch "
+    print(f"{sorted({r['repeats'] for r in rows})} interleaved repeats per configuration, k={args.k}, batch "
           f"{args.batch_size}, {args.max_new_tokens} new tokens, n-gram drafter; overhead = "
           f"median against 'none' (wall, and process CPU time)")
     head = (f"{'setting':<7} {'model':<22} {'strategy':<7} {'config':<13} {'wall s':>8} "
@@ -267,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--real-repeats", type=int, default=None,
+                    help="repeats of the real setting (default --repeats): a real model's "
+                         "step is long, and its overhead small")
     ap.add_argument("--guard", action="store_true", help="also time guard_model (fast, strict)")
     ap.add_argument("--deep", action="store_true", help="also time deep mode")
     ap.add_argument("--no-count", dest="count", action="store_false",

@@ -1,13 +1,12 @@
 """invariants on CUDA: the engine, the Monitor and guard_model on GPU tensors, fast mode
 never synchronising the stream inside a hook (CUDA's sync debug mode set to "error"
 around each check) and strict mode synchronising once per engine step (sync debug mode
-"warn", warnings counted per step). Skipped without a CUDA device;
-``benchmarks/gpu_check.sh`` runs them.
+"warn", warnings counted per step). ``benchmarks/gpu_check.sh`` runs them on a GPU.
 
-``INVARIANTS_TEST_DEVICE=cpu`` runs the same tests on the CPU, with
-``invariants.testing.no_host_transfers`` (host reads, uploads and data-dependent shapes)
-in place of the sync debug mode, to check the tests themselves on a machine without a GPU
-(``tests/test_host_transfers.py`` covers every strategy and family in CI).
+Without a CUDA device (or with ``INVARIANTS_TEST_DEVICE=cpu``) the same tests run on the
+CPU, in CI, with ``invariants.testing`` (host reads, uploads and data-dependent shapes) in
+place of the sync debug mode; ``tests/test_host_transfers.py`` covers every strategy and
+family that way.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ from invariants import predicates as P
 from specdec import drafters, models
 from invariants.testing import TransferLog, no_host_transfers
 
-DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.engine,
-              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)
