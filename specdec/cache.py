@@ -15,7 +15,9 @@ layers, batch 8, 460 slots, fp32, 2 CPU cores): a realignment gather went from 2
 same data takes 14 ms. Memory: the steady state holds two buffers where it held one, but
 every realignment used to allocate a temporary of the same size, so the peak is unchanged.
 
-Tested against transformers 5.24 (``pyproject.toml`` pins ``>=5.24,<5.25``):
+Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` allows
+4.51 to 5.24 so that ``invariants`` installs into projects on transformers 4.x, and a
+``SlabCache`` refuses any other version at run time, ``check_transformers``):
 - the forward keyword is ``cache`` (``past_key_values`` is deprecated until 5.40);
 - masks take the query offset from ``Cache.get_query_offset`` and sizes from
   ``CacheLayerMixin.get_mask_sizes``; layers must subclass ``CacheLayerMixin``;
@@ -28,7 +30,35 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+import transformers
+
+try:
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+except ImportError:  # transformers < 5: importing works, running the engine does not
+    Cache = DynamicCache = DynamicLayer = object
+
+#: the transformers release series whose cache internals this module is written for
+SUPPORTED_TRANSFORMERS = "5.24"
+
+
+class UnsupportedTransformersError(RuntimeError):
+    """The installed transformers is not the one the engine's cache is written for."""
+
+
+def transformers_supported(version: str | None = None) -> bool:
+    v = transformers.__version__ if version is None else version
+    return v == SUPPORTED_TRANSFORMERS or v.startswith(SUPPORTED_TRANSFORMERS + ".")
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse, with the fix, a transformers whose cache internals differ from 5.24's."""
+    v = transformers.__version__ if version is None else version
+    if not transformers_supported(v):
+        raise UnsupportedTransformersError(
+            f"specdec's engine needs transformers {SUPPORTED_TRANSFORMERS}.x: its KV cache "
+            f"(specdec/cache.py) builds on that release's cache internals, found transformers "
+            f"{v}. Install it with: pip install 'transformers>={SUPPORTED_TRANSFORMERS},<5.25'. "
+            f"(The invariants checker alone works with transformers 4.51 to 5.24.)")
 
 #: keyword under which a transformers 5.24 causal LM takes its cache
 CACHE_KWARG = "cache"
@@ -175,6 +205,7 @@ class SlabCache(Cache):
     """A transformers ``Cache`` over one slab tensor; see the module docstring."""
 
     def __init__(self, num_layers: int, capacity: int):
+        check_transformers()
         slab = _Slab(num_layers, capacity)
         super().__init__(layers=[SlabLayer(slab, i) for i in range(num_layers)])
         self.slab = slab

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import specdec
 from specdec import drafters, engine, models, phases, validation
 from conftest import tiny_pair
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 from specdec.strategies import names as strategy_names
 
 VOCAB = models.TINY_VOCAB
@@ -184,7 +184,7 @@ def test_bad_drafts_never_reach_the_embedding_and_cost_no_host_read(target):
     try:
         with torch.no_grad():
             batch = phases.prefill(ctx, state, [[5, 6, 7], [9, 10]], [0, 1], [8, 8])
-            with forbid_host_reads():
+            with no_host_transfers():
                 spec = phases.speculate(ctx, state, batch)
     finally:
         handle.remove()
@@ -437,3 +437,17 @@ def test_validation_helpers_refuse_bools_and_floats_as_integers():
             validation.integer(bad, "x")
     with pytest.raises(ValueError, match=r"x must be an integer in \[1, 4\], got 5"):
         validation.integer(5, "x", minimum=1, maximum=4)
+
+
+def test_the_engine_refuses_a_transformers_its_cache_was_not_written_for(monkeypatch):
+    """The package installs next to transformers 4.51 (the checker works there); the engine
+    refuses at run time, saying which release it needs and how to get it."""
+    from specdec import cache
+    from toy_engine import hf_tiny_llama
+
+    model = hf_tiny_llama()  # transformers alone: builds on 4.51 and 5.24 alike
+    monkeypatch.setattr(cache.transformers, "__version__", "4.51.3")
+    with pytest.raises(cache.UnsupportedTransformersError,
+                       match=r"needs transformers 5\.24\.x.*found transformers 4\.51\.3.*"
+                             r"pip install 'transformers>=5\.24,<5\.25'"):
+        specdec.generate(model, [[5, 6, 7]], max_new_tokens=2)
