@@ -10,8 +10,8 @@ import time
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="target: a local Hugging Face directory or hub name, 'tiny:FAMILY', "
-                        "or omitted for the default SmolLM2-135M-Instruct")
+                   help="target: 'gemma3-270m', a local Hugging Face directory or hub name, "
+                        "'tiny:FAMILY', or omitted for the default SmolLM2-135M-Instruct")
     p.add_argument("--draft-model", default=None,
                    help="draft model (same forms as --model); default: the n-gram drafter")
     p.add_argument("--k", type=int, default=4, help="drafts per step (default 4)")
@@ -102,7 +102,7 @@ def cmd_audit(args) -> int:
         tqdm = None
     engines = args.engines or list(audit.engine_names())
     target, tok = models.resolve(args.model)
-    items = prompt_mod.load_jsonl(args.prompts) if args.prompts else prompt_mod.builtin_prompts()
+    items = prompt_mod.prompt_set(args.prompts)
     items = items[: args.limit] if args.limit else items
     if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
         import torch
@@ -166,8 +166,9 @@ def main(argv=None) -> int:
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
-    a.add_argument("--prompts", help="JSONL prompts (SpecBench questions or {'prompt': ...}); "
-                                     "default: the built-in set")
+    a.add_argument("--prompts", help="JSONL prompts (SpecBench questions or {'prompt': ...}), "
+                                     "or 'long' (built-in texts joined past a 512-token "
+                                     "window); default: the built-in set")
     a.add_argument("--limit", type=int, default=16, help="first N prompts (default 16; 0 = all)")
     a.add_argument("--engines", nargs="+", help="engines to run (default: all)")
     a.add_argument("--out", help="directory for report.md, report.json and PNG figures")

@@ -27,10 +27,21 @@ def tiny_pair(family: str):
     return _TINY[family]
 
 
+_REAL: dict = {}
+
+
+def real(name: str):
+    """(model, tokenizer) of a real model (``models.REAL_MODELS``), loaded once per
+    session (per pytest-xdist worker); the first load ever converts its GGUF."""
+    if name not in _REAL:
+        _REAL[name] = models.load(name)
+    return _REAL[name]
+
+
 @pytest.fixture(scope="session")
 def real_model():
-    """(model, tokenizer) of SmolLM2-135M-Instruct; the first load converts the GGUF."""
-    return models.default_model()
+    """(model, tokenizer) of SmolLM2-135M-Instruct, the default model."""
+    return real(models.DEFAULT.name)
 
 
 # -- hypothesis profiles: HYPOTHESIS_PROFILE=ci|dev|thorough (default dev; .ci/run uses ci)
