@@ -39,7 +39,6 @@ def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
 
 
 def test_audit_refuses_unknown_engines():
-
     with pytest.raises(ValueError, match="unknown engines"):
         cli.main(["audit", "--model", "tiny:llama", "--limit", "2", "--engines", "warp"])
 
