@@ -44,13 +44,6 @@ def real_model():
     return real(models.DEFAULT.name)
 
 
-# -- hypothesis profiles: HYPOTHESIS_PROFILE=ci|dev|thorough (default dev; .ci/run uses ci)
-from hypothesis import HealthCheck, settings  # noqa: E402
-
-_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-settings.register_profile("ci", max_examples=12, derandomize=True, deadline=None,
-                          suppress_health_check=_SLOW_OK, print_blob=True)
-settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=_SLOW_OK)
-settings.register_profile("thorough", max_examples=400, deadline=None,
-                          suppress_health_check=_SLOW_OK)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+# -- hypothesis profiles (HYPOTHESIS_PROFILE=ci|dev|thorough|campaign|replay), the example
+# database (HYPOTHESIS_DATABASE), campaign shards: tests/campaign.py
+from campaign import campaign_shard, pytest_generate_tests  # noqa: E402,F401
