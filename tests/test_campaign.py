@@ -7,7 +7,9 @@
   the database alone (``replay`` profile: no generation) and fails the same way; without
   the mutant the same replay passes.
 - The same with a real ``redis-server`` (started here, on a free loopback port) as the
-  database; skipped when the binary is not installed (Debian: ``redis-server``).
+  database, the workers started through ``--tx`` specs as the README's several-machines
+  command starts them (``popen`` in place of ``ssh``); skipped when the binary is not
+  installed (Debian: ``redis-server``).
 
 The probes run pytest in a subprocess: a campaign is a command line, so that is what is
 tested. Durations (2 shared cores): the probes a few seconds each, the engine drill
@@ -197,15 +199,26 @@ def test_redis_url_selects_a_redis_database(redis_url):
     assert list(campaign.example_database(redis_url).fetch(b"key")) == [b"value"]
 
 
+def remote_workers(count: int, cwd: Path, **env) -> list[str]:
+    """``--tx`` specs of the README's several-machines command, with ``popen`` (a local
+    process) standing in for ``ssh=USER@HOST``: interpreter, directory and campaign
+    settings travel in the spec (an ssh worker does not inherit the caller's environment)."""
+    spec = f"{count}*popen//python={sys.executable}//chdir={cwd}"
+    spec += "".join(f"//env:{k}={v}" for k, v in env.items())
+    return ["--tx", spec]
+
+
 def test_a_campaign_shares_failures_through_redis(probe, redis_url):
     from redis import Redis
 
     out = probe / "out"
     out.mkdir()
     args = ["-k", "small", *PROBE_ARGS]
-    r = run_pytest(["-n", "2", *args], probe, PROBE_OUT=str(out), HYPOTHESIS_PROFILE="campaign",
-                   SPECDEC_CAMPAIGN_EXAMPLES="50", HYPOTHESIS_DATABASE=redis_url)
+    workers = remote_workers(2, probe, PROBE_OUT=out, HYPOTHESIS_PROFILE="campaign",
+                             SPECDEC_CAMPAIGN_EXAMPLES=50, HYPOTHESIS_DATABASE=redis_url)
+    r = run_pytest([*workers, *args], probe)  # the caller's own environment has none of it
     assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout[-2000:]
+    assert len({f.name.split("-")[1] for f in out.iterdir()}) == 2  # both workers drew
     assert Redis.from_url(redis_url).keys(b"hypothesis-example:*")
     replay_finds(redis_url, probe, args, notes(r.stdout), PROBE_OUT=str(out),
                  fixed={"PROBE_FIXED": "1"})
