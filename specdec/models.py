@@ -303,7 +303,8 @@ def load(name_or_path: str):
 
 def resolve(name: str | None):
     """(model, tokenizer) for a command-line model name: None or 'default' -> the default
-    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); anything else -> ``load``."""
+    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); anything else -> ``load`` (a name
+    of ``REAL_MODELS`` such as 'gemma3-270m', a directory, a hub name)."""
     if name in (None, "default", DEFAULT_MODEL_NAME):
         return default_model()
     if name.startswith("tiny:"):

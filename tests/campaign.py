@@ -22,7 +22,8 @@ Example database (``HYPOTHESIS_DATABASE``; used by every profile but ``ci``):
   default place), which the xdist workers of one machine share;
 - a path: that directory;
 - ``redis://HOST:PORT/DB``: a Redis server, shared by machines (``hypothesis.extra.redis``;
-  needs the ``redis`` package, a dependency of this project).
+  needs the ``redis`` package, a dependency of this project). Inside an xdist ``--tx``
+  spec, where ``//`` separates keys, write it ``redis:HOST:PORT/DB``.
 
 A mutant drill: ``SPECDEC_MUTANT=NAME`` (a name of ``specdec.mutants``) makes
 ``strategies.run_case`` run the engine with that single-point mutation of the index math
@@ -51,6 +52,8 @@ def example_database(spec: str | None = None) -> ExampleDatabase:
     spec = os.environ.get("HYPOTHESIS_DATABASE") if spec is None else spec
     if not spec:
         return DirectoryBasedExampleDatabase(os.path.join(".hypothesis", "examples"))
+    if spec.startswith("redis:") and not spec.startswith("redis://"):
+        spec = "redis://" + spec[len("redis:"):]  # the form without "//" (xdist --tx specs)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from hypothesis.extra.redis import RedisExampleDatabase
         from redis import Redis

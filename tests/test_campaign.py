@@ -196,16 +196,19 @@ def test_redis_url_selects_a_redis_database(redis_url):
     db = campaign.example_database(redis_url)
     assert isinstance(db, RedisExampleDatabase)
     db.save(b"key", b"value")
-    assert list(campaign.example_database(redis_url).fetch(b"key")) == [b"value"]
+    short = redis_url.replace("redis://", "redis:")  # the form for xdist --tx specs
+    assert list(campaign.example_database(short).fetch(b"key")) == [b"value"]
 
 
 def remote_workers(count: int, cwd: Path, **env) -> list[str]:
     """``--tx`` specs of the README's several-machines command, with ``popen`` (a local
     process) standing in for ``ssh=USER@HOST``: interpreter, directory and campaign
-    settings travel in the spec (an ssh worker does not inherit the caller's environment)."""
+    settings travel in the spec (an ssh worker does not inherit the caller's environment).
+    Such workers take no file arguments (xdist maps them onto rsync roots, and there are
+    none): select tests with -k."""
     spec = f"{count}*popen//python={sys.executable}//chdir={cwd}"
     spec += "".join(f"//env:{k}={v}" for k, v in env.items())
-    return ["--tx", spec]
+    return ["--dist", "load", "--tx", spec]
 
 
 def test_a_campaign_shares_failures_through_redis(probe, redis_url):
@@ -213,9 +216,10 @@ def test_a_campaign_shares_failures_through_redis(probe, redis_url):
 
     out = probe / "out"
     out.mkdir()
-    args = ["-k", "small", *PROBE_ARGS]
+    args = ["-k", "small", "-p", "no:invariants"]  # no file argument: the probe directory
     workers = remote_workers(2, probe, PROBE_OUT=out, HYPOTHESIS_PROFILE="campaign",
-                             SPECDEC_CAMPAIGN_EXAMPLES=50, HYPOTHESIS_DATABASE=redis_url)
+                             SPECDEC_CAMPAIGN_EXAMPLES=50,  # no "//" inside a --tx spec:
+                             HYPOTHESIS_DATABASE=redis_url.replace("redis://", "redis:"))
     r = run_pytest([*workers, *args], probe)  # the caller's own environment has none of it
     assert r.returncode == 1 and "2 failed" in r.stdout, r.stdout[-2000:]
     assert len({f.name.split("-")[1] for f in out.iterdir()}) == 2  # both workers drew
