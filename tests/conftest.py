@@ -46,4 +46,5 @@ def real_model():
 
 # -- hypothesis profiles (HYPOTHESIS_PROFILE=ci|dev|thorough|campaign|replay), the example
 # database (HYPOTHESIS_DATABASE), campaign shards: tests/campaign.py
-from campaign import campaign_shard, pytest_generate_tests  # noqa: E402,F401
+from campaign import (campaign_shard, pytest_collection_modifyitems,  # noqa: E402,F401
+                      pytest_generate_tests)

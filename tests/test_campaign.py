@@ -141,10 +141,13 @@ def test_two_workers_find_a_planted_mutant_and_a_fresh_process_replays_it(tmp_pa
     database = str(tmp_path / "examples")
     args = ["tests/test_properties.py", "-k", "test_ids_equal_the_batch_1_reference"]
     mutant = "source_off_by_one"
-    r = run_pytest(["-n", "2", *args], ROOT, HYPOTHESIS_PROFILE="campaign",
+    r = run_pytest(["-n", "2", "-rA", *args], ROOT, HYPOTHESIS_PROFILE="campaign",
                    SPECDEC_CAMPAIGN_EXAMPLES="30", HYPOTHESIS_DATABASE=database,
                    SPECDEC_MUTANT=mutant)
+    # both shards ran, one per worker; at least one found the mutant (the shards run at
+    # the same time, so the other may finish its 30 examples before the failure is stored)
     assert r.returncode == 1 and "[shard0]" in r.stdout and "[shard1]" in r.stdout, r.stdout[-3000:]
+    assert "FAILED tests/test_properties.py::test_ids_equal_the_batch_1_reference[shard" in r.stdout
     found = notes(r.stdout)
     assert found, r.stdout[-3000:]
     print(f"campaign found {mutant}:", *sorted(found), sep="\n  ")
@@ -229,6 +232,17 @@ def test_a_campaign_shares_failures_through_redis(probe, redis_url):
 
 
 # -- the settings themselves --------------------------------------------------------------
+
+def test_random_profiles_stay_random_when_ci_is_set():
+    """Hypothesis loads its own derandomized "ci" profile when CI is set; the campaign's
+    profiles must not inherit that (they would all draw one sequence of examples)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import campaign; "
+            "from hypothesis import settings; "
+            "print([settings.get_profile(p).derandomize for p in campaign.PROFILES])")
+    out = subprocess.run([sys.executable, "-c", code, str(TESTS)], capture_output=True,
+                         text=True, env={**os.environ, "CI": "true", "HYPOTHESIS_PROFILE": "campaign"})
+    assert out.stdout.strip() == "[True, False, False, False, False]", out.stderr[-2000:]
+
 
 def test_database_and_shards_follow_the_environment(monkeypatch, tmp_path):
     from hypothesis.database import DirectoryBasedExampleDatabase

@@ -84,6 +84,7 @@ GEMMA3_CASES = cases(families=("gemma3-270m",), max_rows=3, max_budget=6, contex
 
 
 @pytest.mark.real
+@pytest.mark.campaign
 @pytest.mark.xdist_group("gemma3-270m")
 @settings(REAL_SETTINGS, max_examples=2)
 @given(GEMMA3_CASES)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import campaign
 import invariants
 import specdec
 from conftest import real
@@ -131,6 +132,9 @@ def test_prompts_have_mixed_lengths_and_pass_the_window(workload):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_at_batch_8_equals_batch_1_greedy_under_a_strict_monitor(workload, strategy):
+    if workload.name == "gemma3-270m" and strategy != "holes" and \
+            campaign.profile() not in ("campaign", "thorough"):
+        pytest.skip("Gemma 3 EQSPEC/EXSPEC at batch 8: HYPOTHESIS_PROFILE=campaign or thorough")
     window = cache_mod.sliding_window(workload.model)
     monitor = invariants.Monitor(mode="strict")
     compactions = Compactions(window)
