@@ -369,31 +369,34 @@ class SlotPool:
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:
-    """The sliding window of ``model`` when every attention layer slides, None when none
-    does. Models mixing full and sliding layers are refused (a single position-based mask
-    cannot serve both)."""
+    """The sliding window of ``model``'s sliding layers, None when no layer slides.
+
+    A model may mix full-attention and sliding-window layers (``config.layer_types``,
+    e.g. Gemma 3: five sliding layers to one full one); ``layer_types`` tells which."""
     cfg = model.config
     win = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        sliding = [t == "sliding_attention" for t in types]
-        if not any(sliding):
-            return None
-        if not all(sliding):
-            raise NotImplementedError(
-                f"{type(model).__name__} mixes full and sliding-window attention layers; "
-                "position-based masks for holes support uniform sliding windows only"
-            )
+    if types is not None and "sliding_attention" not in types:
+        return None
     if not win or getattr(cfg, "use_sliding_window", True) is False:
         return None
     return int(win)
 
 
+def layer_types(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The attention kinds of a model mixing full and sliding layers (the keys of the mask
+    mapping such a model takes), None when every layer attends alike."""
+    types = getattr(model.config, "layer_types", None)
+    if types is None or sliding_window(model) is None or len(set(types)) == 1:
+        return None
+    return tuple(sorted(set(types)))
+
+
 def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
-                  query_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """The 4-D mask ``[B, 1, q, C + q]`` of a sliding-window model computed from positions,
-    not slot indices: query i (slot ``C + i``) attends key slot j iff j is valid, j is not
-    after the query's slot, and ``0 <= pos(query) - pos(key) < window``.
+                  query_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The 4-D mask ``[B, 1, q, C + q]`` computed from positions, not slot indices: query
+    i (slot ``C + i``) attends key slot j iff j is valid, j is not after the query's slot,
+    and ``0 <= pos(query) - pos(key) < window`` (no window: ``window=None``).
 
     Transformers 5.24 builds the sliding mask over slot indices (``kv_idx > q_idx -
     window``), which is wrong as soon as holes separate slots from positions; a 4-D mask
@@ -407,8 +410,10 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
     kslot = torch.arange(c_q, device=dev)[None, :]
     qslot = (c_q - q + torch.arange(q, device=dev))[:, None]
     kp, qp = key_positions[:, None, :], query_positions[:, :, None]
-    allowed = (attention_mask.bool()[:, None, :] & (kslot <= qslot)[None]
-               & (kp <= qp) & (kp > qp - window))[:, None]
+    allowed = attention_mask.bool()[:, None, :] & (kslot <= qslot)[None] & (kp <= qp)
+    if window is not None:
+        allowed = allowed & (kp > qp - window)
+    allowed = allowed[:, None]
     if impl == "sdpa":
         return allowed
     if impl == "eager":
@@ -419,6 +424,20 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
         f"position-based sliding-window masks are built for sdpa and eager attention, "
         f"not {impl!r}"
     )
+
+
+def position_masks(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
+                   query_positions: torch.Tensor, window: int):
+    """What a sliding-window model attends over holes: one ``position_mask`` when every
+    layer slides; for a model mixing full and sliding layers, the mapping from layer type
+    to mask that its forward takes in place of ``attention_mask`` (transformers 5.24:
+    ``{"full_attention": ..., "sliding_attention": ...}``; a dict is used as given), the
+    full layers' mask without the window."""
+    types = layer_types(model)
+    if types is None:
+        return position_mask(model, attention_mask, key_positions, query_positions, window)
+    return {t: position_mask(model, attention_mask, key_positions, query_positions,
+                             window if t == "sliding_attention" else None) for t in types}
 
 
 def new_cache(model: torch.nn.Module, capacity: int) -> SlabCache:
@@ -443,7 +462,9 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     attention_mask: [B, cache.width + q] long/bool, valid over cache slots ++ new tokens
     key_positions:  [B, cache.width + q] long or None: position of every mask column.
                     Given when slots may have holes; for a sliding-window model the mask
-                    is then built from positions (``position_mask``), otherwise unused.
+                    is then built from positions (``position_masks``: one mask, or one
+                    per layer type for a model mixing full and sliding layers),
+                    otherwise unused.
     last_logits:    compute the LM head at the last new token only (prefill: the head over
                     every prompt slot would cost more than the whole transformer).
     Returns logits [B, q, V] ([B, 1, V] with last_logits) and advances the cache by q.
@@ -453,7 +474,7 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     if key_positions is not None:
         window = sliding_window(model)
         if window is not None:
-            mask = position_mask(model, attention_mask, key_positions, positions, window)
+            mask = position_masks(model, attention_mask, key_positions, positions, window)
     out = model(
         input_ids=input_ids,
         position_ids=positions,

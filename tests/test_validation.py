@@ -437,17 +437,3 @@ def test_validation_helpers_refuse_bools_and_floats_as_integers():
             validation.integer(bad, "x")
     with pytest.raises(ValueError, match=r"x must be an integer in \[1, 4\], got 5"):
         validation.integer(5, "x", minimum=1, maximum=4)
-
-
-def test_the_engine_refuses_a_transformers_its_cache_was_not_written_for(monkeypatch):
-    """The package installs next to transformers 4.51 (the checker works there); the engine
-    refuses at run time, saying which release it needs and how to get it."""
-    from specdec import cache
-    from toy_engine import hf_tiny_llama
-
-    model = hf_tiny_llama()  # transformers alone: builds on 4.51 and 5.24 alike
-    monkeypatch.setattr(cache.transformers, "__version__", "4.51.3")
-    with pytest.raises(cache.UnsupportedTransformersError,
-                       match=r"needs transformers 5\.24\.x.*found transformers 4\.51\.3.*"
-                             r"pip install 'transformers>=5\.24,<5\.25'"):
-        specdec.generate(model, [[5, 6, 7]], max_new_tokens=2)
