@@ -128,8 +128,8 @@ def test_predicate_masks_stay_on_the_gpu():
 
 def test_guard_is_silent_on_the_engine_and_hf_generate_on_gpu():
     target, draft = on_device("mistral")
-    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], device=DEVICE)
+    ids = torch.tensor([[5, 2, 2, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = torch.tensor([[1, 0, 0, 1, 1], [1] * 5], device=DEVICE)
     with guard_model(target, mode="strict") as g, guard_model(draft, mode="fast"):
         specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
                          max_new_tokens=BUDGET)
@@ -140,11 +140,11 @@ def test_guard_is_silent_on_the_engine_and_hf_generate_on_gpu():
 
 def test_fast_guard_checks_a_forward_without_syncing():
     target, _ = on_device("llama")
-    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], device=DEVICE)
+    ids = torch.tensor([[5, 2, 2, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = torch.tensor([[1, 0, 0, 1, 1], [1] * 5], device=DEVICE)
     with guard_model(target, mode="fast", raise_on_violation=False) as g:
         with no_sync():
-            g._pre(target, (ids,), {"attention_mask": mask})  # implicit positions: row 0 wrong
+            g._pre(target, (ids,), {"attention_mask": mask})  # implicit positions over a hole: row 0 wrong
     assert [v.rows for v in g.violations] == [[0]]
 
 

@@ -19,12 +19,12 @@ def tiny():
                       num_attention_heads=2, num_key_value_heads=1)
     return LlamaForCausalLM(cfg).eval()
 
-def test_left_padding_without_positions(guarded):
+def test_a_hole_without_positions(guarded):
     model = guarded(tiny())
-    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    ids = torch.tensor([[5, 0, 6], [7, 8, 9]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)  # positions implicit: row 0 is wrong
+        model(input_ids=ids, attention_mask=mask)  # positions implicit over a hole: row 0 is wrong
 """
 
 
