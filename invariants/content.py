@@ -148,6 +148,7 @@ class Content:
         self._wrapped: list = []  # (cache, had_attribute, old attribute)
         self._layer: dict = {}  # id(cache) -> fingerprint layer index (once known)
         self._stash = None  # the current forward's [B, q] ids, for the cache's update
+        self.skipped = 0  # forwards whose context could not be read (host count)
         self._last = None  # what the current forward's record hook needs
 
     # -- state size ----------------------------------------------------------------------
@@ -243,6 +244,14 @@ class Content:
         return torch.where(self.fp[at] == fp, self.fp_tok[at], -2)
 
     # -- one forward ---------------------------------------------------------------------
+    def skip(self, ids: torch.Tensor | None = None) -> None:
+        """A forward whose context cannot be read (a prepared 4-D mask, an unreadable
+        cache): its tokens are still learned (``ids``, when its cache is watched), and
+        every record is dropped, since this forward may replace tokens unseen."""
+        self.skipped += 1
+        self._stash, self._last = ids, None
+        self.rec.fill_(-1)
+
     def before(self, ids: torch.Tensor, cache, c: int, valid: torch.Tensor | None):
         """Check C1/C2 for one forward of ``ids`` [B, q] over ``c`` cache slots with
         ``valid`` [B, c + q] (None: every slot). Returns ([B] masks by DEVICE_RULES,
@@ -253,6 +262,7 @@ class Content:
         if c > 0:
             old = self.cached_tokens(cache, c, b) if cache is not None else None
             if old is None:
+                self.skip(self._stash)
                 return None
             tok = torch.cat([old, ids], dim=1)
         else:

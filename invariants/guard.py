@@ -162,7 +162,7 @@ class Guard(Checker):
         ff = self.facts(args, kwargs)
         if ff is None:
             if self.content is not None:
-                self.content._last = self.content._stash = None
+                self.content.skip()
             return None
         index = self.forwards
         self.forwards += 1
@@ -189,16 +189,18 @@ class Guard(Checker):
     def _content(self, ff: ForwardFacts, index: int, args, kwargs) -> None:
         """C1/C2 over this forward's rows (device masks), when its tokens can be read."""
         content = self.content
-        content._last = content._stash = None
         a = self._arguments(args, kwargs)
         ids = a.get("input_ids")
         cache = _cache_argument(a)
-        if ids is None or ids.dim() != 2 or is_legacy_cache(cache):
+        if ids is None or ids.dim() != 2 or is_legacy_cache(cache) \
+                or (cache is not None and not hasattr(cache, "update")):
+            content.skip()
             return
-        if cache is not None and not hasattr(cache, "update"):
+        if ff.mask is not None and ff.mask2d is None:  # a 4-D (prepared) mask: not read
+            if cache is not None:
+                content.watch(cache)
+            content.skip(ids if cache is not None else None)
             return
-        if ff.mask is not None and ff.mask2d is None:
-            return  # a 4-D (prepared) mask: the valid slots are not read
         out = content.before(ids, cache, ff.c, ff.mask2d)
         if out is not None:
             masks, report = out
