@@ -29,9 +29,8 @@ a cache with only sliding-window layers, a legacy tuple cache) makes its row unk
 row is not checked (``Content.unknown`` counts such rows) rather than falsely flagged.
 
 State per registered prompt ``p`` over context positions ``t`` (all device tensors; an
-extra row ``P`` absorbs writes of unmatched rows): ``chain[p, t]`` the token last presented
-at ``t``, ``kept[p, t]`` whether a later forward kept it, ``rec[p, t]`` the argmax recorded
-for ``t``. Nothing here reads a tensor on the host, uploads host data or makes a
+extra row ``P`` absorbs writes of unmatched rows): ``state[p, t]`` holds the token last presented
+at ``t``, whether a later forward kept it, and the argmax recorded for ``t``. Nothing here reads a tensor on the host, uploads host data or makes a
 data-dependent shape, except ``check_outputs`` and the reports (one read each).
 
 Known limits: identical prompts under sampling (``greedy=False``) share one chain, so
@@ -67,6 +66,7 @@ C3_ARGMAX = ("C3", "outputs.argmax",
 DEVICE_RULES = (C1_PROMPT, C1_KEPT, C2_ARGMAX)
 
 _HASH = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant, as a signed int64
+_END = -3  # past the end of a context: equal to no token and to no chain entry
 
 
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
@@ -135,10 +135,13 @@ class Content:
         # [S] long: stop ids (S may be 0)
         self.stops = torch.tensor(list(spec.stop_token_ids), dtype=torch.long, device=device)
         self.T = 0
-        # [P + 1, T] long / bool / [P + 1, T + 1] long (last column: a dump)
-        self.chain = self.kept = self.rec = None
+        # [P + 1, T, 3] long: per prompt (row P: the writes of unmatched rows) and context
+        # position, the token last presented there (-1: none), whether a later forward
+        # kept it (0/1), the argmax recorded for it (-1: none)
+        self.state = None
+        self._consts: dict = {}
         self._grow(self.lmax + (spec.max_new_tokens or 0) + 8)
-        self.chain[: self.P, : self.lmax] = self.prompt  # prompts count as presented
+        self.state[: self.P, : self.lmax, 0] = self.prompt  # prompts count as presented
         # fingerprint table: [M] int64 sorted fingerprints, [M] long their tokens
         self.fp = torch.full((0,), 0, dtype=torch.long, device=device)
         self.fp_tok = torch.full((0,), 0, dtype=torch.long, device=device)
@@ -157,17 +160,11 @@ class Content:
         if t <= self.T:
             return
         t = max(t, 2 * self.T)
-        dev, rows = self.device, self.P + 1
-
-        def widen(x, fill, dtype, extra=0):
-            new = torch.full((rows, t + extra), fill, dtype=dtype, device=dev)
-            if x is not None:
-                new[:, : x.shape[1] - extra] = x[:, : x.shape[1] - extra]
-            return new
-        self.chain = widen(self.chain, -1, torch.long)
-        self.kept = widen(self.kept, False, torch.bool)
-        self.rec = widen(self.rec, -1, torch.long, extra=1)
-        self.T = t
+        new = torch.full((self.P + 1, t, 3), -1, dtype=torch.long, device=self.device)
+        new[:, :, 1].fill_(0)
+        if self.state is not None:
+            new[:, : self.T] = self.state
+        self.state, self.T = new, t
 
     @property
     def unknown(self) -> int:
@@ -250,7 +247,7 @@ class Content:
         every record is dropped, since this forward may replace tokens unseen."""
         self.skipped += 1
         self._stash, self._last = ids, None
-        self.rec.fill_(-1)
+        self.state[:, :, 2].fill_(-1)
 
     def before(self, ids: torch.Tensor, cache, c: int, valid: torch.Tensor | None):
         """Check C1/C2 for one forward of ``ids`` [B, q] over ``c`` cache slots with
@@ -259,6 +256,7 @@ class Content:
         b, q = ids.shape
         self._stash = ids if cache is not None else None
         self._last = None
+        unknown = None
         if c > 0:
             old = self.cached_tokens(cache, c, b) if cache is not None else None
             if old is None:
@@ -273,56 +271,65 @@ class Content:
         self._grow(max(s, self.lmax) + 1)
         t = self.T
         dev = ids.device
+        pos = self.consts(t, dev)  # [1, T]
         if valid is None:
-            valid = torch.ones(b, s, dtype=torch.bool, device=dev)
-        valid = valid.bool()
-        rank = valid_before(valid)  # [B, S] long
-        n = valid.sum(dim=1)  # [B]
-        col = torch.where(valid, rank, t)
-        # [B, T] long: the valid context read left to right, -1 past its end
-        ctx = torch.full((b, t + 1), -1, dtype=torch.long, device=dev).scatter_(1, col, tok)[:, :t]
-        unknown = (ctx == -2).any(dim=1)
-        pos = torch.arange(t, device=dev)[None, :]  # [1, T]
+            rank, n, col = pos[:, :s].expand(b, s), self.consts_n(s, b, dev), None
+        else:
+            valid = valid.bool()
+            rank = valid_before(valid)  # [B, S] long
+            n = valid.sum(dim=1)  # [B]
+            col = torch.where(valid, rank, t)
+        # [B, T] long: the valid context read left to right, _END past its end
+        ctx = torch.full((b, t + 1), _END, dtype=torch.long, device=dev)
+        if col is None:
+            ctx[:, :s] = tok
+        else:
+            ctx.scatter_(1, col, tok)
+        ctx = ctx[:, :t]
         in_ctx = pos < n[:, None]
-        # match every row against every prompt: [B, P]; the longest agreement wins
-        lead = ctx[:, : self.lmax]
-        # a context starts with prompt p, or is a prefix of it (a prefill in pieces)
-        starts = ((lead[:, None, :] == self.prompt[None]) | (self.prompt[None] < 0)
-                  | ~in_ctx[:, None, : self.lmax]).all(-1)
-        agree = ((ctx[:, None, :] == self.chain[None, : self.P]) & in_ctx[:, None, :]) \
-            .long().cumprod(dim=2).sum(dim=2)
-        score = torch.where(starts, agree + 1, 0)
+        # match every row against every prompt ([B, P]): the chains begin with the prompts,
+        # so a context agreeing with chain p over min(its length, len(p)) tokens starts
+        # with prompt p (or is a prefix of it: a prefill in pieces); the longest agreement
+        # wins
+        agree = (ctx[:, None, :] == self.state[None, : self.P, :, 0]).cumprod(dim=2).sum(dim=2)
+        score = torch.where(agree >= torch.minimum(self.plen[None, : self.P], n[:, None]),
+                            agree + 1, 0)
         best, top = score.argmax(dim=1), score.amax(dim=1)
-        matched = (top > 0) & ~unknown
+        matched = top > 0
+        no_prompt = ~matched & (n > 0)
+        if c > 0:
+            unknown = (ctx == -2).any(dim=1)
+            matched, no_prompt = matched & ~unknown, no_prompt & ~unknown
+            self._unknown += unknown.sum()
         idx = torch.where(matched, best, self.P)  # [B]: the prompt row, P for none
-        no_prompt = ~matched & ~unknown & (n > 0)
-        self._unknown += unknown.sum()
-        chain, kept, rec = self.chain[idx], self.kept[idx], self.rec[idx]  # [B, T], [B, T+1]
-        plen = self.plen[idx][:, None]
-        stop = (ctx[:, :, None] == self.stops).any(dim=2) & (pos >= plen) & in_ctx
-        after = (stop.long().cumsum(dim=1) - stop.long()) > 0  # past the first stop: exempt
-        live = in_ctx & ~after & matched[:, None]
+        st = self.state[idx]  # [B, T, 3]
+        chain, kept, rec = st[..., 0], st[..., 1] > 0, st[..., 2]
+        past = pos >= self.plen[idx][:, None]  # past the prompt
+        rows = in_ctx & matched[:, None]  # the context of a matched row
+        live = rows
+        if self.stops.numel():  # past a row's first stop nothing is checked
+            stop = (ctx[:, :, None] == self.stops).any(dim=2) & past
+            live = live & (stop.long().cumsum(dim=1) - stop.long() == 0)
         eq = ctx == chain
         # presented before with the same context up to it: a token is kept only when
         # nothing before it changed
-        same = eq.long().cumprod(dim=1).bool()
+        same = eq.cumprod(dim=1).bool()
         changed = live & kept & ~eq
-        newly = live & ~kept & same & (pos >= plen)
-        wrong = newly & (rec[:, :t] >= 0) & (ctx != rec[:, :t]) if self.spec.greedy \
-            else torch.zeros_like(newly)
+        newly = live & ~kept & same & past
+        if self.spec.greedy:
+            wrong = newly & (rec >= 0) & (ctx != rec)
+        else:
+            wrong = torch.zeros_like(newly)
         # tokens presented before and now replaced or dropped: records past them are stale
         gone = (chain >= 0) & ~kept & ((live & ~same) | ~in_ctx)
         first_gone = torch.where(gone, pos, t).amin(dim=1, keepdim=True)  # [B, 1]
-        new_chain = torch.where(in_ctx & matched[:, None], ctx, torch.where(kept, chain, -1))
-        new_kept = kept | (live & same)
-        rpos = torch.arange(t + 1, device=dev)[None, :]
-        new_rec = torch.where(rpos > first_gone, -1, rec)
-        self.chain.index_copy_(0, idx, new_chain)
-        self.kept.index_copy_(0, idx, new_kept)
-        self.rec.index_copy_(0, idx, new_rec)
+        new = torch.stack([torch.where(rows, ctx, torch.where(kept | ~past, chain, -1)),
+                           (kept | (live & same)).long(),
+                           torch.where(pos > first_gone, -1, rec)], dim=2)
+        self.state.index_copy_(0, idx, new)
         self._last = (idx, matched, valid, rank, s)
         masks = [no_prompt, changed.any(dim=1), wrong.any(dim=1)]
-        report = {"ctx": ctx, "n": n, "chain": chain, "kept": kept, "rec": rec[:, :t],
+        report = {"ctx": ctx, "n": n, "chain": chain, "kept": kept, "rec": rec,
                   "idx": idx, "slots": [None, changed, wrong]}
         return masks, report
 
@@ -336,21 +343,34 @@ class Content:
         if ql > s or logits.shape[0] != idx.shape[0]:
             return
         am = logits.argmax(dim=-1)  # [B, ql]
-        t = self.T
-        col = torch.where(valid[:, s - ql:] & matched[:, None], rank[:, s - ql:] + 1, t).clamp(max=t)
-        row = self.rec[idx]
-        cur = row.gather(1, col)
-        row.scatter_(1, col, torch.where(cur < 0, am, cur))
-        self.rec.index_copy_(0, idx, row)
+        ok = matched[:, None] if valid is None else valid[:, s - ql:] & matched[:, None]
+        # position 0 is never a record that is read (records start past the prompt): the dump
+        col = torch.where(ok, rank[:, s - ql:] + 1, 0)
+        rec = self.state[idx, :, 2]  # [B, T]
+        cur = rec.gather(1, col)
+        rec.scatter_(1, col, torch.where(cur < 0, am, cur))
+        self.state[:, :, 2].index_copy_(0, idx, rec)
+
+    # -- constants (fill kernels, built once per size) --------------------------------------
+    def consts(self, t: int, device) -> torch.Tensor:
+        key = ("pos", t, device)
+        x = self._consts.get(key)
+        if x is None:
+            x = self._consts[key] = torch.arange(t, device=device)[None, :]
+        return x
+
+    def consts_n(self, s: int, b: int, device) -> torch.Tensor:
+        key = ("n", s, b, device)
+        x = self._consts.get(key)
+        if x is None:
+            x = self._consts[key] = torch.full((b,), s, dtype=torch.long, device=device)
+        return x
 
     # -- host reads (reports, outputs) -----------------------------------------------------
     def host_state(self):
         """(chain, kept, rec) of every prompt as host lists (one read)."""
-        flat = torch.cat([self.chain[: self.P].flatten(), self.kept[: self.P].long().flatten(),
-                          self.rec[: self.P, : self.T].flatten()]).tolist()
-        n = self.P * self.T
-        rows = [flat[i * n: (i + 1) * n] for i in range(3)]
-        return tuple([r[p * self.T: (p + 1) * self.T] for p in range(self.P)] for r in rows)
+        host = self.state[: self.P].tolist()  # [P][T][3]
+        return tuple([[x[i] for x in row] for row in host] for i in range(3))
 
 
 def first_stop(tokens, stops) -> int | None:
