@@ -46,6 +46,7 @@ import torch
 
 from ._hf import cache_layers
 from .predicates import valid_before
+from .rules import Constants
 
 #: the content rules' sentences, by id
 C1_PROMPT = ("C1", "content.prompt",
@@ -139,7 +140,7 @@ class Content:
         # position, the token last presented there (-1: none), whether a later forward
         # kept it (0/1), the argmax recorded for it (-1: none)
         self.state = None
-        self._consts: dict = {}
+        self._consts = Constants()  # arange rows and counts, by fill kernels
         self._grow(self.lmax + (spec.max_new_tokens or 0) + 8)
         self.state[: self.P, : self.lmax, 0] = self.prompt  # prompts count as presented
         # fingerprint table: [M] int64 sorted fingerprints, [M] long their tokens
@@ -271,9 +272,9 @@ class Content:
         self._grow(max(s, self.lmax) + 1)
         t = self.T
         dev = ids.device
-        pos = self.consts(t, dev)  # [1, T]
+        pos = self._consts.row(t, dev)  # [1, T]
         if valid is None:
-            rank, n, col = pos[:, :s].expand(b, s), self.consts_n(s, b, dev), None
+            rank, n, col = pos[:, :s].expand(b, s), self._consts.count(s, b, dev), None
         else:
             valid = valid.bool()
             rank = valid_before(valid)  # [B, S] long
@@ -350,21 +351,6 @@ class Content:
         cur = rec.gather(1, col)
         rec.scatter_(1, col, torch.where(cur < 0, am, cur))
         self.state[:, :, 2].index_copy_(0, idx, rec)
-
-    # -- constants (fill kernels, built once per size) --------------------------------------
-    def consts(self, t: int, device) -> torch.Tensor:
-        key = ("pos", t, device)
-        x = self._consts.get(key)
-        if x is None:
-            x = self._consts[key] = torch.arange(t, device=device)[None, :]
-        return x
-
-    def consts_n(self, s: int, b: int, device) -> torch.Tensor:
-        key = ("n", s, b, device)
-        x = self._consts.get(key)
-        if x is None:
-            x = self._consts[key] = torch.full((b,), s, dtype=torch.long, device=device)
-        return x
 
     # -- host reads (reports, outputs) -----------------------------------------------------
     def host_state(self):
