@@ -275,17 +275,16 @@ class Guard(Checker):
                 at = [j for j, x in enumerate(slot_rows[b]) if x]
                 p = idx[b]
             else:  # no prompt: where the context parts from the closest prompt
-                common = [next((j for j, (u, v) in enumerate(zip(row, pr)) if u != v),
-                               min(len(row), len(pr))) for pr in prompts]
-                p = max(range(len(prompts)), key=lambda i: common[i])
-                at = [common[p]]
+                p, offset, part = closest_prompt(row, prompts)
+                at = [part]
             which.append(p)
             slots.append(at)
             if len(grid) < MAX_GRID_ROWS:
                 width = max(n[b], len(prompts[p]))
                 lines = {"context": row}
                 if slot_rows is None:
-                    lines["prompt"] = prompts[p]
+                    lines["prompt"] = [None] * offset + prompts[p]
+                    width = max(width, offset + len(prompts[p]))
                 else:
                     lines["kept"] = [chain[b][j] if kept[b][j] else None for j in range(width)]
                     lines["argmax"] = [r if r >= 0 else None for r in rec[b][:width]]
@@ -340,6 +339,20 @@ class Guard(Checker):
             width=None, state={"rule": rid, "output_length": len(out),
                                "prompt_length": n, "model": type(self.model).__name__})
         return InvariantViolation(trace)
+
+
+def closest_prompt(row, prompts):
+    """(prompt index, offset, first differing position) of the prompt a context that
+    starts with none looks like: a prompt found whole after some leading tokens (padding
+    attended as content) first, else the longest common prefix."""
+    for o in range(1, len(row)):
+        for i, pr in enumerate(prompts):
+            if row[o: o + len(pr)] == pr:
+                return i, o, 0
+    common = [next((j for j, (u, v) in enumerate(zip(row, pr)) if u != v),
+                   min(len(row), len(pr))) for pr in prompts]
+    i = max(range(len(prompts)), key=lambda k: common[k])
+    return i, 0, common[i]
 
 
 def output_fault(out, prompt, chain, kept, rec, stops, budget, greedy):
