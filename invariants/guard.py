@@ -16,14 +16,24 @@ tokens:
   new tokens); no mask means every slot is valid;
 - I3: the position each valid new token gets equals the number of valid mask slots before
   it. Positions are the explicit ``position_ids``, or, when none are passed, the model's
-  own default ``C + arange(q)`` (transformers 5.24, every family), which is wrong as soon
-  as the mask has padding or holes.
+  own default ``C + arange(q)`` (transformers 5.24, every family). Implicit positions are
+  judged by what they do (``positions="relative"``, the default): on a model whose
+  attention sees only relative positions (RoPE, ALiBi; read from its config,
+  ``_hf.relative_positions``) a constant offset per row is harmless, so only a valid new
+  token whose offset (slot minus valid slots before it) differs from that of the row's
+  first valid slot is flagged (holes, new tokens after right padding); on absolute
+  positions (GPT-2) and with ``positions="exact"`` any padding before a new token is.
+
+With ``prompts=`` (and ``max_new_tokens``, ``stop_token_ids``, ``greedy``) the guard also
+checks content, ``invariants.content``: C1 and C2 before each forward (device flags read
+with the coherence flags), an argmax record after it (a forward hook), C3 on the outputs
+(``guard.check_outputs``).
 
 Hugging Face ``generate`` passes ``position_ids = cumsum(mask) - 1`` (padding slots 0,
 never checked) and extends the mask and positions by one per step, so it passes; so do
 assisted generation (the target's cache is cropped after rejections) and
-``specdec.generate``. Typical mistakes it flags: positions left implicit with left
-padding, positions that count padded or rejected slots, a mask not extended for the new
+``specdec.generate``. Typical mistakes it flags: positions left implicit over holes
+(or any padding, on absolute positions), positions that count padded or rejected slots, a mask not extended for the new
 tokens, a cache not cropped after a rejection, a cache cropped to the batch minimum while
 some rows keep more tokens.
 
@@ -34,9 +44,10 @@ upload or data-dependent shape inside the hook; one host read when the block exi
 (``rules.GUARD_RULES``): a failure known on the host (a shape, a cache length) raises at
 once in every mode. 4-D masks (prepared by the caller) are
 not interpreted: only the cache checks and, with explicit positions and no mask, I3 run.
-The hook is removed when the block exits, also after an exception. There is no forward
-(post) hook: a cache may be advanced by its owner after the forward returns (specdec's
-``SlabCache`` is), so cache lengths are only read before each forward.
+The hooks are removed (and a wrapped cache ``update`` restored) when the block exits,
+also after an exception. Cache lengths are only read before each forward: a cache may be
+advanced by its owner after the forward returns (specdec's ``SlabCache`` is); the
+content rules' forward hook reads only the logits.
 """
 
 from __future__ import annotations
