@@ -76,4 +76,4 @@ def test_traces_of_failures_can_be_written_to_a_directory(pytester):
     assert len(files) == 1
     trace = json.loads(files[0].read_text())
     assert trace["invariant"] == "I3" and trace["run"]["test"].endswith(
-        "test_left_padding_without_positions")
+        "test_a_hole_without_positions")
