@@ -1099,6 +1099,9 @@ class ForwardFacts:
     positions: torch.Tensor | None
     implicit: bool
     device: torch.device
+    # the model's positions are relative (RoPE, ALiBi) and the guard was not asked for
+    # exact positions: implicit positions then only need a constant offset per row
+    relative: bool = False
 
     @property
     def c(self) -> int:
@@ -1132,10 +1135,31 @@ def _guard_position_slots(ff: ForwardFacts):
 
 def _guard_positions(implicit: bool):
     def mask(ff: ForwardFacts):
-        if ff.mask2d is None or ff.positions is None or ff.implicit != implicit:
+        if ff.mask2d is None or ff.positions is None or ff.implicit != implicit \
+                or (implicit and ff.relative):
             return None
         return P.forward_position_slots(ff.mask2d, ff.positions, ff.c).any(dim=1)
     return mask
+
+
+def _shifted_slots(ff: ForwardFacts):
+    """[B, C + q] bool: valid new tokens whose implicit position (its slot) minus the
+    valid slots before it differs from that of the row's first valid slot: a hole or
+    padding between valid slots changes relative distances."""
+    if ff.mask2d is None or not ff.implicit or not ff.relative:
+        return None
+    valid = ff.mask2d.bool()
+    s = valid.shape[1]
+    offset = torch.arange(s, device=valid.device)[None, :] - P.valid_before(valid)
+    first = torch.where(valid, offset, s).amin(dim=1, keepdim=True)
+    bad = valid[:, ff.c:] & (offset[:, ff.c:] != first)
+    return torch.cat([torch.zeros(bad.shape[0], ff.c, dtype=torch.bool, device=bad.device), bad],
+                     dim=1)
+
+
+def _guard_shifted(ff: ForwardFacts):
+    bad = _shifted_slots(ff)
+    return None if bad is None else bad.any(dim=1)
 
 
 def _guard_positions_no_mask(ff: ForwardFacts):
@@ -1180,6 +1204,12 @@ GUARD_RULES = (
          "padding or holes: pass position_ids)", ("attention_mask", "cache"),
          mask=_guard_positions(True), slots=_guard_position_slots, columns="forward",
          lines=_GUARD_LINES),
+    Rule("guard.positions_relative", "I3",
+         "positions left implicit on a relative-position model: every valid slot of a row "
+         "must keep the same offset between its slot and the valid slots before it (a hole "
+         "or padding before a new token changes relative distances: pass position_ids)",
+         ("attention_mask", "cache"), mask=_guard_shifted, slots=_shifted_slots,
+         columns="forward", lines=_GUARD_LINES, slot_priority=1),
     Rule("guard.positions_no_mask", "I3",
          "without an attention mask every slot is valid, so position_ids must be cache "
          "length + arange(new tokens)", ("position_ids", "cache"),
