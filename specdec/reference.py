@@ -72,3 +72,30 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
         seqs.append(row[:cut])
         margins.append(mrow[:cut])
     return seqs, margins
+
+
+@torch.no_grad()
+def hf_generate(target, prompts, *, max_new_tokens, batch_size=8, stop_token_ids=None,
+                tokenizer=None):
+    """Hugging Face's own batched greedy ``generate``, prompts left-padded in batches of
+    ``batch_size``: an independent batched decoding loop (not specdec's forward path).
+    Greedy ids per prompt, cut after the first stop token."""
+    _check_causal_lm(target, "target")
+    ids = _to_ids(prompts, tokenizer)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    dev = next(target.parameters()).device
+    pad = target.generation_config.pad_token_id
+    pad = stops[0] if pad is None and stops else (0 if pad is None else pad)
+    seqs = []
+    for start in range(0, len(ids), batch_size):
+        tokens, valid, _, _ = left_pad(ids[start : start + batch_size], device=dev)
+        tokens = torch.where(valid, tokens, pad)
+        out = target.generate(input_ids=tokens, attention_mask=valid.long(), do_sample=False,
+                              max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        for row in out[:, tokens.shape[1]:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            seqs.append(row[:cut])
+    return seqs
