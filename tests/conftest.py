@@ -12,6 +12,20 @@ from specdec import models
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (full measurements, tens of minutes)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="a full measurement: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", params=models.FAMILIES)
 def family(request) -> str:
     return request.param
