@@ -19,9 +19,10 @@ Writes JSON and PNG plots to --out.
     python benchmarks/throughput.py --strategies holes:0 holes:0.25 holes:0.5 holes:1 exspec:32
     python benchmarks/throughput.py --dtype bfloat16     # models cast to bf16 (or float16)
 
-A strategy may carry its option after a colon: ``holes:H`` (hole_threshold H) and
-``exspec:N`` (window N). The group column is exspec's group rate (share of steps served
-by a group of equal-length rows, without realignment).
+A strategy (a name of ``specdec.strategies.names()``) may carry a value of its first
+option after a colon: ``holes:H`` (hole_threshold H) and ``exspec:N`` (window N). The
+group column is exspec's group rate (share of steps served by a group of equal-length
+rows, without realignment).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
-from specdec import drafters, engine, models, prompts  # noqa: E402
+from specdec import drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
+
+#: the phases of decode time (prefill aside)
+DECODE_PHASES = ("draft", "verify", "commit", "realign", "checks")
 
 
 def corrupt_for_acceptance(reference: list[list[int]], p: float, k: int, vocab: int,
@@ -71,21 +76,24 @@ def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
 
 
 def strategy_options(spec: str) -> tuple[str, dict]:
-    """'holes:0.3' -> ('holes', {'hole_threshold': 0.3}); 'exspec:16' -> window 16."""
+    """'NAME' or 'NAME:VALUE', VALUE for the strategy's first option (from the registry):
+    'holes:0.3' -> ('holes', {'hole_threshold': 0.3}); 'exspec:16' -> window 16."""
     name, _, arg = spec.partition(":")
+    if name not in strategies.names():
+        raise SystemExit(f"unknown strategy {name!r}: one of {', '.join(strategies.names())}")
     if not arg:
         return name, {}
-    if name == "holes":
-        return name, {"hole_threshold": float(arg)}
-    if name == "exspec":
-        return name, {"window": int(arg)}
-    raise SystemExit(f"strategy {spec!r}: only holes:H and exspec:N take an option")
+    options = strategies.get(name).options
+    if not options:
+        takers = [f"{n}:{strategies.get(n).options[0].name}" for n in strategies.names()
+                  if strategies.get(n).options]
+        raise SystemExit(f"strategy {spec!r}: {name} takes no option (these do: {', '.join(takers)})")
+    return name, {options[0].name: options[0].type(arg)}
 
 
 def phase_shares(seconds: dict) -> dict:
-    decode = {p: seconds.get(p, 0.0) for p in ("draft", "verify", "commit", "realign", "checks")}
-    total = sum(decode.values()) or 1.0
-    return {p: v / total for p, v in decode.items()}
+    """Each phase's share of decode time."""
+    return shares_of(seconds, DECODE_PHASES)
 
 
 def main(argv=None) -> int:
@@ -306,28 +314,14 @@ def plot(rows, out: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens / s")
-    ax.set_title("Throughput vs batch size")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, out / "throughput.png", title="Throughput vs batch size", legend_size=7)
 
     spec = [r for r in rows if r["phase_shares"]]
-    fig, ax = plt.subplots(figsize=(max(7, 0.45 * len(spec)), 4.5))
-    bottom = [0.0] * len(spec)
-    for phase in ("draft", "verify", "commit", "realign", "checks"):
-        vals = [r["phase_shares"][phase] for r in spec]
-        ax.bar(range(len(spec)), vals, bottom=bottom, label=phase)
-        bottom = [a + b for a, b in zip(bottom, vals)]
-    ax.set_xticks(range(len(spec)))
-    ax.set_xticklabels([f"{r['strategy']}\n{r['drafter']}\nb{r['batch_size']}" for r in spec], fontsize=6)
-    ax.set_ylabel("share of decode time")
-    ax.set_title("Phase shares")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=110)
-    plt.close(fig)
+    stacked_phase_shares(out / "phases.png",
+                         [f"{r['strategy']}\n{r['drafter']}\nb{r['batch_size']}" for r in spec],
+                         [r["phase_shares"] for r in spec], DECODE_PHASES,
+                         ylabel="share of decode time", width_per_bar=0.45, min_width=7,
+                         label_size=6)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ invariants over them for every length and every batch size up to a bound.
 
     python -m proofs                      # every obligation, B <= 16
     python -m proofs --mutant positions_from_slot --save-trace cex.json
-    specdec replay cex.json               # or proofs.replay.replay_counterexample
+    specdec replay cex.json               # replays it on the engine (specdec.forensics)
 
-``run`` is the programmatic entry point. This package imports ``specdec.layout`` and
-``specdec.mutants`` only; ``proofs.replay`` (which runs the engine) is imported on demand.
+``run`` is the programmatic entry point. From the engine package this package imports
+``specdec.layout`` (the index math), ``specdec.mutants`` (the mutant catalogue) and the
+strategy registry ``specdec.strategies`` (names and proof modules; it loads no strategy);
+never the engine: replaying a counterexample on the engine is forensics
+(``specdec.forensics.counterexample``).
 """
 
 from __future__ import annotations
@@ -25,16 +28,11 @@ DEFAULT_MAX_BATCH = 16
 
 
 def clear_caches() -> None:
-    """Forget the symbolic batches built so far (each module caches its encodings per
+    """Forget the symbolic batches built so far (each module memoises its encodings per
     size and layout; a fresh run then pays for building them again, as a new process does)."""
-    import importlib
+    from .core import clear_symbolic
 
-    from . import registry
-
-    for modname in registry.modules().values():
-        cache = getattr(importlib.import_module(modname), "_CACHE", None)
-        if cache is not None:
-            cache.clear()
+    clear_symbolic()
 
 
 def run(max_batch: int = DEFAULT_MAX_BATCH, *, mutant: str | None = None, groups=None,

@@ -8,7 +8,7 @@ seconds. A counterexample is printed below its line as a concrete small batch. T
 status is 0 when every obligation is proved and 1 otherwise (so with ``--mutant`` a
 caught mutant exits 1). ``--save-trace FILE`` writes the first counterexample as JSON
 (the first replayable one, a realignment batch, when there is one); replay it on the
-engine with ``specdec replay FILE`` or ``proofs.replay.replay_counterexample(FILE)``.
+engine with ``specdec replay FILE`` (``specdec.forensics.counterexample``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def replayable(cex: dict | None) -> bool:
 
 
 def trace_of(result: Result, mutant: str | None, max_batch: int) -> dict:
-    """The JSON document ``--save-trace`` writes (and ``proofs.replay`` reads)."""
+    """The JSON document ``--save-trace`` writes (and ``specdec replay`` reads)."""
     return {"kind": TRACE_KIND, "version": TRACE_VERSION, "obligation": result.name,
             "property": result.doc, "bound": result.bound, "mutant": mutant,
             "max_batch": max_batch, "size": result.size, "replayable": replayable(result.counterexample),

@@ -9,7 +9,7 @@ prediction ``i`` is a stop token (``stop[b][i]``) arbitrarily: every pattern of
 equalities is realisable by some tokens. The engine's formulas are evaluated on these
 terms: ``specdec.layout.draft_limit``, ``accepted_from_matches``,
 ``committed_from_accepted`` and ``row_finished`` (``specdec/acceptance.py`` and
-``engine.step`` call exactly these). ``k`` sets tensor shapes, so it is concrete: every
+``phases.speculate`` call exactly these). ``k`` sets tensor shapes, so it is concrete: every
 ``k`` in ``0 .. K`` is checked (``K`` defaults to 8), and every ``B`` up to the bound:
 solved at ``B = 1``, and for ``B > 1`` reduced to ``B = 1`` by a syntactic proof that each
 row computes the batch-1 formulas over its own inputs (``row_independent``; the
@@ -23,7 +23,7 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, val
+from .core import Obligation, Query, any_row, row_independent, symbolic, val
 from .ops import Z3, cell, column, row, zt
 
 K_MAX = 8
@@ -56,6 +56,14 @@ class AccBatch:
     def get(self, name: str, b: int):
         return cell(getattr(self, name), b, 0)
 
+    def row_vars(self, b: int) -> list:
+        """Row ``b``'s own variables (``core.row_independent`` renames them)."""
+        return [self.budget[b], self.generated[b], *self.match[b], *self.stop[b]]
+
+    def outputs(self, b: int) -> list:
+        """Row ``b``'s output terms."""
+        return [self.get(name, b) for name in OUTPUTS]
+
     def witness(self, model, rows=None) -> dict:
         out = {"k": self.k, "batch_size": self.B, "rows": []}
         for b in range(self.B):
@@ -72,45 +80,9 @@ class AccBatch:
         return out
 
 
-_CACHE: dict = {}
-
-
-def symbolic_batch(B: int, k: int) -> AccBatch:
-    key = (B, k, tuple(v for _, v in sorted(vars(layout).items()) if callable(v)))
-    if key not in _CACHE:
-        if len(_CACHE) > 512:
-            _CACHE.clear()
-        _CACHE[key] = AccBatch(B, k)
-    return _CACHE[key]
-
+symbolic_batch = symbolic(AccBatch, limit=512)
 
 OUTPUTS = ("limit", "accepted", "committed", "stopped", "finished")
-
-
-def row_independent(bt: AccBatch) -> bool:
-    """Whether every row of ``bt`` computes, syntactically, the batch-1 formulas over its own
-    inputs: each output term of row ``b``, with row ``b``'s variables renamed to row 0's,
-    is the very same z3 term as the output of the batch-1 situation.
-
-    True is a proof that a per-row property proved at B = 1 holds in every row at this
-    batch size (the assumptions of a row are the batch-1 ones renamed, and the properties
-    only read the row's own inputs and outputs).
-    """
-    if bt.independent is None:
-        bt.independent = _row_independent(bt)
-    return bt.independent
-
-
-def _row_independent(bt: AccBatch) -> bool:
-    one = symbolic_batch(1, bt.k)
-    for b in range(bt.B):
-        pairs = [(bt.budget[b], one.budget[0]), (bt.generated[b], one.generated[0])]
-        pairs += list(zip(bt.match[b], one.match[0])) + list(zip(bt.stop[b], one.stop[0]))
-        for name in OUTPUTS:
-            renamed = z3.substitute(bt.get(name, b), *pairs) if b else bt.get(name, b)
-            if not renamed.eq(one.get(name, 0)):
-                return False
-    return True
 
 
 def per_row(row_violation, k_max: int = K_MAX):
@@ -121,7 +93,7 @@ def per_row(row_violation, k_max: int = K_MAX):
         queries = []
         for k in range(k_max + 1):
             bt = symbolic_batch(B, k)
-            if B > 1 and row_independent(bt):
+            if B > 1 and row_independent(bt, symbolic_batch(1, k)):
                 continue
             rows = [row_violation(bt, b) for b in range(B)]
             queries.append(Query(bt.assumptions, any_row(rows),

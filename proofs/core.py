@@ -15,8 +15,12 @@ checks that the assumptions are satisfiable (status "vacuous" otherwise), so no
 obligation is "proved" from an impossible situation.
 
 Strategy modules (``proofs/eqspec.py``, ``holes.py``, ``exspec.py``) and the others
-(``acceptance``, ``pool``) each expose ``obligations() -> list[Obligation]``; the list of
-modules is ``proofs.registry.MODULES``.
+(``acceptance``, ``sizing``, ``pool``) each expose ``obligations() -> list[Obligation]``;
+the list of modules is ``proofs.registry.modules()``.
+
+Two helpers serve every module: ``symbolic`` memoises the symbolic models (z3 terms are
+built once per size and per layout, and shared by the obligations that read them), and
+``row_independent`` settles a per-row property at ``B > 1`` from its proof at ``B = 1``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import z3
+
+from specdec import layout
 
 
 @dataclass
@@ -158,3 +164,77 @@ def any_row(per_row: Iterable) -> object:
     """Disjunction over rows (a violation in some row)."""
     terms = list(per_row)
     return z3.Or(*terms) if terms else z3.BoolVal(False)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared by the obligation modules
+# ---------------------------------------------------------------------------------------
+
+_MEMOS: list = []
+
+
+def _layout_key() -> tuple:
+    """The layout functions as they are now (a mutant patches one: a fresh model)."""
+    return tuple(v for _, v in sorted(vars(layout).items()) if callable(v))
+
+
+def symbolic(build: Callable, limit: int = 256) -> Callable:
+    """``build(*key)`` memoised per key and per layout: a symbolic model is built once and
+    shared by every obligation that reads it, and a patched layout function (as under a
+    mutant) gets a fresh one. ``clear_symbolic`` forgets every memo."""
+    memo: dict = {}
+    _MEMOS.append(memo)
+
+    def get(*key):
+        full = (key, _layout_key())
+        if full not in memo:
+            if len(memo) > limit:
+                memo.clear()
+            memo[full] = build(*key)
+        return memo[full]
+
+    return get
+
+
+def clear_symbolic() -> None:
+    """Forget every symbolic model built so far (a fresh run pays for building them
+    again, as a new process does)."""
+    for memo in _MEMOS:
+        memo.clear()
+
+
+class VerifyRows:
+    """``B`` rows of a verify step with ``k >= 0`` drafts from old width ``W``: row ``b`` has
+    ``1 <= n[b] <= W`` real tokens, commits ``1 <= m[b] <= k + 1`` tokens and accepted
+    ``m[b] - 1 <= a[b] <= k`` drafts. The base of the strategies' symbolic batches, which
+    add their own terms and assumptions."""
+
+    def __init__(self, B: int):
+        self.B = B
+        self.k, self.W = z3.Int("k"), z3.Int("W")
+        self.n = [z3.Int(f"n{b}") for b in range(B)]
+        self.m = [z3.Int(f"m{b}") for b in range(B)]
+        self.a = [z3.Int(f"a{b}") for b in range(B)]  # accepted drafts
+        self.assumptions = [self.k >= 0]
+        for n, m, a in zip(self.n, self.m, self.a):
+            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
+                                 a >= m - 1, a <= self.k]
+        self.sizes = [self.k, self.W] + self.n + self.m + self.a
+
+
+def row_independent(bt, one) -> bool:
+    """Whether every row of the symbolic batch ``bt`` computes, syntactically, the terms
+    of the batch-1 model ``one`` over its own variables: each output term of row ``b``
+    (``bt.outputs(b)``), with row ``b``'s variables (``bt.row_vars(b)``) renamed to row
+    0's of ``one``, is the very same z3 term as ``one.outputs(0)``; shared variables
+    (``W``, ``k``, ...) keep their names.
+
+    True is a proof that a per-row property proved at B = 1 holds in every row at this
+    batch size (a row's assumptions are the batch-1 ones renamed, and the property reads
+    only the row's own inputs and outputs). Cached in ``bt.independent``.
+    """
+    if bt.independent is None:
+        bt.independent = all(
+            (z3.substitute(got, *zip(bt.row_vars(b), one.row_vars(0))) if b else got).eq(want)
+            for b in range(bt.B) for got, want in zip(bt.outputs(b), one.outputs(0)))
+    return bt.independent

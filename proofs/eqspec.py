@@ -22,7 +22,7 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, val
+from .core import Obligation, Query, any_row, symbolic, val
 from .ops import Z3, Z3_NOCLAMP, cell, column, scalar
 
 STRATEGY = "eqspec"
@@ -83,18 +83,8 @@ class EqBatch:
         return out
 
 
-_CACHE: dict = {}
-
-
-def symbolic_batch(B: int, slots: tuple) -> EqBatch:
-    """``EqBatch(B, slots)``, built once per layout (a patched layout function, as under a
-    mutant, gives a fresh one: the key holds the current layout functions themselves)."""
-    key = (B, slots, tuple(v for _, v in sorted(vars(layout).items()) if callable(v)))
-    if key not in _CACHE:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = EqBatch(B, slots)
-    return _CACHE[key]
+#: ``symbolic_batch(B, slots)``: ``EqBatch(B, slots)``, built once per layout
+symbolic_batch = symbolic(EqBatch)
 
 
 def per_row(slots: tuple, row_violation):

@@ -23,29 +23,19 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, val
+from .core import Obligation, Query, VerifyRows, any_row, symbolic, val
 from .ops import Z3, cell, column, scalar
 
 STRATEGY = "exspec"
 SCOPE = "n,m,k unbounded"
 
-_CACHE: dict = {}
 
-
-class ExBatch:
+class ExBatch(VerifyRows):
     def __init__(self, B: int):
-        self.B = B
-        self.k, self.W = z3.Int("k"), z3.Int("W")
-        self.n = [z3.Int(f"n{b}") for b in range(B)]
-        self.m = [z3.Int(f"m{b}") for b in range(B)]
-        self.a = [z3.Int(f"a{b}") for b in range(B)]
+        super().__init__(B)
         self.j, self.j2, self.i = z3.Int("j"), z3.Int("j2"), z3.Int("i")
         self.trash = z3.Int("trash")
-        self.assumptions = [self.k >= 0, self.trash >= self.W,
-                            z3.Or(*[self.W == n for n in self.n])]
-        for n, m, a in zip(self.n, self.m, self.a):
-            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
-                                 a >= m - 1, a <= self.k]
+        self.assumptions += [self.trash >= self.W, z3.Or(*[self.W == n for n in self.n])]
         n_col, W = column(self.n), scalar(self.W)
         self.grouped = cell(layout.grouped(Z3, n_col), 0)
         self.pad = layout.new_padding(W, n_col)
@@ -58,7 +48,6 @@ class ExBatch:
             self.plan[name] = {"valid": valid, "src": src, "store": store}
         self.kv_dest = layout.verify_position(n_col, scalar(self.i))       # pending, drafts
         self.tok_dest = layout.verify_position(n_col, scalar(self.i) + 1)  # y_0 .. y_k
-        self.sizes = [self.k, self.W] + self.n + self.m + self.a
 
     def get(self, field: str, b: int, slot: str = "j"):
         return cell(self.plan[slot][field], b, 0)
@@ -80,13 +69,7 @@ class ExBatch:
         return out
 
 
-def symbolic_batch(B: int) -> ExBatch:
-    key = (B, tuple(v for _, v in sorted(vars(layout).items()) if callable(v)))
-    if key not in _CACHE:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = ExBatch(B)
-    return _CACHE[key]
+symbolic_batch = symbolic(ExBatch)
 
 
 def per_row(row_violation, extra=lambda bt: []):

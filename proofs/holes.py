@@ -36,7 +36,8 @@ rows). The compaction trigger (``compaction_due``, ``verify_fits``) is scalar ar
 unbounded, with a real threshold.
 
 Counterexamples carry ``"model": "holes"`` (printed as a grid by ``python -m proofs``);
-they are not replayable on the engine (``proofs.replay`` rebuilds EQSPEC steps only).
+they are not replayable on the engine (``specdec.forensics.counterexample`` rebuilds
+EQSPEC steps only).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import z3
 
 from specdec import layout
 
-from .core import Obligation, Query, any_row, val
+from .core import Obligation, Query, VerifyRows, any_row, row_independent, symbolic, val
 from .ops import Z3, cell, column, row, scalar, zt
 
 STRATEGY = "holes"
@@ -57,20 +58,7 @@ COMPACT_WIDTH = 12  # source slots of a compaction
 BITS_SCOPE = f"W<={MAX_WIDTH}, k<={MAX_K}, bit/slot, B>1 row-indep"
 COMPACT_SCOPE = f"S<={COMPACT_WIDTH} bit/slot, Wc>=max n, B>1 row-indep"
 
-_CACHE: dict = {}
-
-
-def _layout_key() -> tuple:
-    return tuple(v for _, v in sorted(vars(layout).items()) if callable(v))
-
-
-def _cached(cls, B: int):
-    key = (cls.__name__, B, _layout_key())
-    if key not in _CACHE:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = cls(B)
-    return _CACHE[key]
+_cached = symbolic(lambda cls, B: cls(B))
 
 
 def _count(bits) -> object:
@@ -85,19 +73,12 @@ def _bits(model, xs) -> str:
 # The step, unbounded
 # ---------------------------------------------------------------------------------------
 
-class HoleStep:
+class HoleStep(VerifyRows):
     """B rows of a holes step; extended slot ``W + i`` at symbolic ``i`` (and ``i2``)."""
 
     def __init__(self, B: int):
-        self.B = B
-        self.k, self.W = z3.Int("k"), z3.Int("W")
-        self.n = [z3.Int(f"n{b}") for b in range(B)]
-        self.m = [z3.Int(f"m{b}") for b in range(B)]
-        self.a = [z3.Int(f"a{b}") for b in range(B)]  # accepted drafts
-        self.assumptions = [self.k >= 0, self.W >= 1]
-        for n, m, a in zip(self.n, self.m, self.a):
-            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
-                                 a >= m - 1, a <= self.k]
+        super().__init__(B)
+        self.assumptions.append(self.W >= 1)
         self.i, self.i2 = z3.Int("i"), z3.Int("i2")
         n_col, m_col, k = column(self.n), column(self.m), scalar(self.k)
         self.valid, self.pos = {}, {}
@@ -105,7 +86,6 @@ class HoleStep:
             self.valid[name] = layout.holes_slot_valid(scalar(i), k, m_col)
             self.pos[name] = layout.holes_slot_position(Z3, scalar(i), k, n_col, m_col)
         self.Wn = cell(layout.holes_width(scalar(self.W), k), 0, 0)
-        self.sizes = [self.k, self.W] + self.n + self.m + self.a
 
     def get(self, field: str, b: int, slot: str = "i"):
         return cell(getattr(self, field)[slot], b, 0)
@@ -268,32 +248,13 @@ class HoleRows:
         return out
 
 
-def _row_independent(bt, one) -> bool:
-    """Every row of ``bt`` computes, syntactically, the batch-1 terms of ``one`` over its
-    own variables (shared variables such as ``W``, ``k``, ``W_c`` keep their names). True
-    proves that a per-row property proved at B = 1 holds in every row at this size."""
-    if bt.independent is None:
-        ok = True
-        for b in range(bt.B):
-            pairs = list(zip(bt.row_vars(b), one.row_vars(0)))
-            for got, want in zip(bt.outputs(b), one.outputs(0)):
-                renamed = z3.substitute(got, *pairs) if b else got
-                if not renamed.eq(want):
-                    ok = False
-                    break
-            if not ok:
-                break
-        bt.independent = ok
-    return bt.independent
-
-
 def bits_row(cls, row_violation):
     """Per-row property of a bit-level model: solved at B = 1; B > 1 settled by
-    ``_row_independent`` when it holds, solved directly otherwise."""
+    ``core.row_independent`` when it holds, solved directly otherwise."""
 
     def build(B: int) -> list[Query]:
         bt = _cached(cls, B)
-        if B > 1 and _row_independent(bt, _cached(cls, 1)):
+        if B > 1 and row_independent(bt, _cached(cls, 1)):
             return []
         rows = [row_violation(bt, b) for b in range(B)]
         return [Query(bt.assumptions, any_row(rows), lambda mdl: bt.witness(mdl, rows), bt.sizes)]
@@ -479,7 +440,7 @@ def _cache_computed(ct: CompactRows, b: int):
 # ---------------------------------------------------------------------------------------
 
 def _compaction_width(B: int) -> Query:
-    # W_c = new_width over the rows that stay (as engine.sync computes max_n): every kept
+    # W_c = new_width over the rows that stay (as phases.sync computes max_n): every kept
     # row has pad' = new_padding(W_c, new_length(n, m)) >= 0 and some kept row pad' = 0
     n = [z3.Int(f"n{b}") for b in range(B)]
     m = [z3.Int(f"m{b}") for b in range(B)]

@@ -5,7 +5,7 @@ slots ``[1, W]``). ``ZTensor`` is the smallest tensor that lets the same code ru
 terms: a numpy object array of z3 expressions (or Python ints/bools) with torch-like
 broadcasting operators, so ``j >= pad`` or ``new_width - n_new`` build z3 terms element
 by element. ``Z3Ops`` supplies the rest: ``where`` -> ``z3.If``, ``clamp`` -> an ``If``
-chain, ``minimum``, and the reductions ``amax``/``amin``/``any`` over one axis (``If``
+chain, ``minimum``, ``maximum``, and the reductions ``amax``/``amin``/``any`` over one axis (``If``
 chains, ``Or``). ``Z3Ops(clamp=False)`` evaluates a function with every clamp replaced by
 the identity, which is how the proofs observe the unclamped value a clamp receives.
 
@@ -248,6 +248,10 @@ class Z3Ops:
     def minimum(self, a, b):
         a = zt(a)
         return self.where(a <= b, a, b)
+
+    def maximum(self, a, b):
+        a = zt(a)
+        return self.where(a >= b, a, b)
 
     def amax(self, x, dim, keepdim=False):
         return _reduce(x, dim, keepdim, lambda p, q: _if(q > p, q, p))

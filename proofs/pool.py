@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import z3
 
-from .core import Obligation, Query, val
+from .core import Obligation, Query, symbolic, val
 
 SUBMIT, ADMIT, FINISH, EMIT = 0, 1, 2, 3
 MOVES = {SUBMIT: "submit", ADMIT: "admit", FINISH: "finish", EMIT: "emit"}
@@ -132,15 +132,6 @@ def step(ops, st: State, move, r, capacity) -> State:
                  returned, ops.ite(can_emit, st.next_out + 1, st.next_out))
 
 
-_CACHE: dict = {}
-
-
-def problem(N: int) -> "PoolProblem":
-    if N not in _CACHE:
-        _CACHE[N] = PoolProblem(N)
-    return _CACHE[N]
-
-
 class PoolProblem:
     def __init__(self, N: int):
         self.N = N
@@ -162,6 +153,10 @@ class PoolProblem:
         return {"model": "pool", "requests": self.N, "capacity": val(model, self.C),
                 "move": MOVES.get(val(model, self.move)), "request": val(model, self.r),
                 "before": state(self.pre)}
+
+
+#: ``problem(N)``: the pool's step relation over ``N`` requests, built once per ``N``
+problem = symbolic(PoolProblem)
 
 
 def _initial(N: int) -> Query:

@@ -1,9 +1,11 @@
 """Which modules hold obligations, in report order.
 
-One module per realignment strategy (``STRATEGIES``), then the strategy-independent ones. A
-module only has to expose ``obligations(**options) -> list[proofs.core.Obligation]``
-(options it does not take are not passed) and, for replayable counterexamples, put
-``"strategy"``, ``"k"``, ``"old_width"`` and per-row ``"n"``/``"m"`` in its witnesses.
+One module per realignment strategy, named by the strategy registry
+(``specdec.strategies.proof_modules()``: the one place strategy names come from), then the
+strategy-independent ones (``OTHERS``). A module only has to expose
+``obligations(**options) -> list[proofs.core.Obligation]`` (options it does not take are
+not passed) and, for replayable counterexamples, put ``"strategy"``, ``"k"``,
+``"old_width"`` and per-row ``"n"``/``"m"`` in its witnesses.
 """
 
 from __future__ import annotations
@@ -11,20 +13,17 @@ from __future__ import annotations
 import importlib
 import inspect
 
-STRATEGIES = {
-    "eqspec": "proofs.eqspec",
-    "holes": "proofs.holes",
-    "exspec": "proofs.exspec",
-}
+from specdec import strategies
 
 OTHERS = {
     "acceptance": "proofs.acceptance",
+    "sizing": "proofs.sizing",
     "pool": "proofs.pool",
 }
 
 
 def modules() -> dict:
-    return {**STRATEGIES, **OTHERS}
+    return {**strategies.proof_modules(), **OTHERS}
 
 
 def obligations(groups=None, **options) -> list:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "generate": "engine", "Result": "engine", "Stats": "engine",
+    "generate": "engine", "Result": "engine", "Stats": "phases",
     "reference_generate": "reference",
 }
 _SUBMODULES = ("drafters", "models")

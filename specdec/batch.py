@@ -14,15 +14,30 @@ gives the contiguous view of such a batch (an int gather) for drafters that read
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from invariants.view import StepView
 
 from . import layout
 from .cache import SlabCache
 
 #: token id written into padding slots; never read as data (valid says what is real)
 PAD_FILL = 0
+
+#: the per-row fields of a request (they travel with the row; a layout change leaves them
+#: as they are), and with the layout fields every ``[batch_size, ...]`` tensor of a batch
+REQUEST_FIELDS = ("prompt_lengths", "budgets", "generated", "finished", "row_ids", "output")
+ROW_FIELDS = ("tokens", "valid", "positions", "lengths") + REQUEST_FIELDS
+
+
+def take_rows(source, order: torch.Tensor, names=REQUEST_FIELDS) -> dict:
+    """``{name: rows order of source.name}`` for each of ``names``: one ``index_select``
+    per field of a batch (or of any object with the same ``[rows, ...]`` fields, such as
+    EXSPEC's pool). order: [B'] long."""
+    return {name: getattr(source, name).index_select(0, order) for name in names}
 
 
 @dataclass
@@ -79,6 +94,48 @@ class RaggedBatch:
     def remaining(self) -> torch.Tensor:
         """[batch_size] long: tokens the row may still commit."""
         return self.budgets - self.generated
+
+    def replace(self, **fields) -> "RaggedBatch":
+        """A new batch with ``fields`` replaced (shapes checked again); the rest shared."""
+        return dataclasses.replace(self, **fields)
+
+    def select(self, order: torch.Tensor | None, **fields) -> "RaggedBatch":
+        """The batch of rows ``order`` ([B'] long; None: every row, unchanged) of every
+        per-row tensor (``ROW_FIELDS``), with ``fields`` replaced afterwards. The caches
+        are shared, not selected: the caller moves their rows (``SlabCache.keep_rows``)."""
+        if order is not None:
+            fields = {**take_rows(self, order, [n for n in ROW_FIELDS if n not in fields]),
+                      **fields}
+        return self.replace(**fields) if fields else self
+
+    def view(self, *, step: int, phase: str, profile: str, k: int, stop_token_ids: tuple,
+             model=None, info: dict | None = None, draft_cache_lag: int = 0, cache_widths=None,
+             cache_batch_sizes=None, cache_tensors=None, **extra) -> StepView:
+        """The read-only ``StepView`` hooks receive: this batch's tensors (not copied) and
+        the step's facts. The cache facts default to the batch's ``SlabCache``s (an engine
+        with another cache passes its own); ``extra``: the phase-specific fields
+        (``drafts``, ``forward``, ...), or a row field to show instead of the batch's own
+        (a known-bad engine shows the positions its model used)."""
+        tc, dc = self.target_cache, self.draft_cache
+        if cache_widths is None:
+            cache_widths = tuple(tc.layer_widths())
+            cache_batch_sizes = tuple([tc.batch_size] * len(tc.layers))
+            cache_tensors = tc.layer_tensors
+        rows = {name: getattr(self, name) for name in ROW_FIELDS if name not in extra}
+        return StepView(
+            step=step, phase=phase, profile=profile, k=k, stop_token_ids=stop_token_ids,
+            cache_widths=cache_widths, cache_batch_sizes=cache_batch_sizes,
+            draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
+            draft_cache_lag=draft_cache_lag, model=model, cache_tensors=cache_tensors,
+            info=dict(info or {}), **rows, **extra)
+
+    def stores(self) -> tuple:
+        """(name, tensor) of the cache storage a view exposes through ``cache_tensors``
+        (``validation.HookWatch`` watches it for a hook's writes)."""
+        out = [("target cache", self.target_cache.slab.store)]
+        if self.draft_cache is not None:
+            out.append(("draft cache", self.draft_cache.slab.store))
+        return tuple(out)
 
     def contiguous_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, valid) [B, W] in the contiguous profile: each row's real tokens

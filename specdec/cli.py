@@ -1,25 +1,80 @@
-"""Command line: ``specdec generate``, ``specdec audit``, ``specdec replay TRACE.json``."""
+"""Command line: ``specdec generate``, ``specdec audit``, ``specdec replay TRACE.json``.
+
+A user error (a bad option, a missing or malformed file, an unknown model, input the
+engine refuses) is one line on stderr, ``specdec COMMAND: <the rule and the value>``, and
+exit code 2, without a traceback; options and files are checked before any model loads
+or any decoding runs. ``SPECDEC_TRACEBACK=1`` shows the traceback as well.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+from . import strategies
+#: what the commands raise for bad input (validation.py raises ValueError and TypeError)
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one ``--help`` away), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _int_option(name: str, minimum: int):
+    """An argparse type: an integer >= minimum, with the rule in the message."""
+    from .validation import integer
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {text!r}")
+        try:
+            return integer(value, name, minimum=minimum)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="target: a local Hugging Face directory or hub name, 'tiny:FAMILY', "
-                        "or omitted for the default SmolLM2-135M-Instruct")
+                   help="target: 'gemma3-270m', a local Hugging Face directory or hub name, "
+                        "'tiny:FAMILY', or omitted for the default SmolLM2-135M-Instruct")
     p.add_argument("--draft-model", default=None,
                    help="draft model (same forms as --model); default: the n-gram drafter")
-    p.add_argument("--k", type=int, default=4, help="drafts per step (default 4)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--strategy", default="eqspec", choices=("eqspec", "exspec", "holes"))
+    p.add_argument("--k", type=_int_option("k (drafts per step)", 0), default=4,
+                   help="drafts per step (default 4)")
+    p.add_argument("--batch-size", type=_int_option("batch size", 1), default=8,
+                   help="rows decoded together (default 8)")
+    p.add_argument("--max-new-tokens", type=_int_option("max new tokens", 1), default=64,
+                   help="new tokens per prompt (default 64)")
+    p.add_argument("--strategy", default="eqspec", choices=strategies.names())
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the models are cast to and compute in (default float32)")
+
+
+def _add_strategy_options(p: argparse.ArgumentParser) -> None:
+    """Every registered strategy's options as flags (``--window``, ``--hole-threshold``)."""
+    seen: set = set()
+    for name in strategies.names():
+        for opt in strategies.get(name).options:
+            if opt.name not in seen:
+                seen.add(opt.name)
+                p.add_argument(opt.flag, dest=opt.name, type=opt.type, default=None,
+                               help=f"{name}: {opt.help}")
+
+
+def _strategy_options(args) -> dict:
+    """The strategy options given on the command line (absent ones left out)."""
+    names = {o.name for n in strategies.names() for o in strategies.get(n).options}
+    return {n: getattr(args, n) for n in sorted(names) if getattr(args, n, None) is not None}
 
 
 def _read_prompts(args) -> list:
@@ -33,7 +88,8 @@ def _read_prompts(args) -> list:
         items.append(prompt_mod.Prompt(id=f"arg{len(items)}", kind="custom",
                                        messages=({"role": "user", "content": text},)))
     if not items:
-        raise SystemExit("specdec generate: give prompts as arguments or with --jsonl FILE")
+        raise ValueError("give prompts as arguments or with --jsonl FILE (the file has none)"
+                         if args.jsonl else "give prompts as arguments or with --jsonl FILE")
     return items
 
 
@@ -41,32 +97,38 @@ def _encode(items, tokenizer, chat: bool) -> list[list[int]]:
     from . import prompts as prompt_mod
 
     if tokenizer is None:  # tiny models: prompts are space-separated token ids
-        try:
-            return [[int(t) for t in p.messages[-1]["content"].split()] for p in items]
-        except ValueError:
-            raise SystemExit("this model has no tokenizer: give prompts as space-separated token ids")
+        out = []
+        for p in items:
+            text = p.text
+            try:
+                out.append([int(t) for t in text.split()])
+            except ValueError:
+                raise ValueError(f"this model has no tokenizer: give prompts as space-separated "
+                                 f"token ids, got {text[:40]!r} (prompt {p.id})") from None
+        return out
     if chat:
         return prompt_mod.encode(items, tokenizer)
-    return [list(tokenizer(p.messages[-1]["content"], add_special_tokens=False)["input_ids"])
+    return [list(tokenizer(prompt_mod.plain_text(p.messages), add_special_tokens=False)["input_ids"])
             for p in items]
 
 
 def cmd_generate(args) -> int:
     from . import drafters, engine, models
 
+    items = _read_prompts(args)  # files and options first: no model loads for bad input
+    options = _strategy_options(args)
+    plugin = strategies.get(args.strategy)
+    engine.check_option_names(plugin, options)
+    plugin.check_options(options, batch_size=args.batch_size)
     target, tok = models.resolve(args.model, dtype=args.dtype)
     drafter = drafters.NGramDrafter()
     if args.draft_model:
         drafter = drafters.ModelDrafter(models.resolve(args.draft_model, dtype=args.dtype)[0])
-    items = _read_prompts(args)
     ids = _encode(items, tok, chat=not args.no_chat)
     t0 = time.perf_counter()
-    try:
-        res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
-                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              window=args.window, hole_threshold=args.hole_threshold)
-    except (ValueError, NotImplementedError) as e:  # bad input: the rule, not a traceback
-        raise SystemExit(f"specdec generate: {e}")
+    res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
+                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                          **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -82,19 +144,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    from pathlib import Path
+
     from .forensics.replay import replay
 
-    try:
-        same, report = replay(args.trace)
-    except (ValueError, KeyError, OSError) as e:  # JSONDecodeError is a ValueError
-        print(f"specdec replay: cannot replay {args.trace}: {e}", file=sys.stderr)
-        return 2
+    same, report = replay(Path(args.trace))  # a path, never JSON text
     print(report)
     return 0 if same else 1  # 0: the saved violation (or counterexample) came back
 
 
 def cmd_audit(args) -> int:
-    from . import drafters, models
+    from . import drafters, models, validation
     from . import prompts as prompt_mod
     from .forensics import audit
 
@@ -103,9 +163,14 @@ def cmd_audit(args) -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     engines = args.engines or list(audit.engine_names())
-    target, tok = models.resolve(args.model, dtype=args.dtype)
-    items = prompt_mod.load_jsonl(args.prompts) if args.prompts else prompt_mod.builtin_prompts()
+    audit.check_engines(engines)  # options and files first: no work for a bad one
+    if args.out:
+        validation.writable_dir(args.out, "--out")
+    items = prompt_mod.prompt_set(args.prompts)
+    if not items:
+        raise ValueError(f"prompt file {args.prompts} holds no prompts")
     items = items[: args.limit] if args.limit else items
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
         import torch
 
@@ -151,26 +216,26 @@ def cmd_audit(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="specdec", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="speculative decoding of prompts (text out)")
     g.add_argument("prompts", nargs="*", help="prompt texts (token ids for tiny models)")
-    g.add_argument("--jsonl", help="JSONL prompts: {'prompt': ...} or SpecBench {'turns': [...]}")
+    g.add_argument("--jsonl", help="JSONL prompts: {'prompt': ...}, {'messages': [...]} or "
+                                   "SpecBench {'turns': [...], 'category': ...}")
     g.add_argument("--ids", action="store_true", help="print generated token ids as JSON lines")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
-    g.add_argument("--window", type=int, default=None,
-                   help="exspec: requests held in the pool (default 2x batch size)")
-    g.add_argument("--hole-threshold", type=float, default=None,
-                   help="holes: compact when the reclaimable share of the width passes this "
-                        "(0..1, default 0.5)")
+    _add_strategy_options(g)
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
-    a.add_argument("--prompts", help="JSONL prompts (SpecBench questions or {'prompt': ...}); "
-                                     "default: the built-in set")
-    a.add_argument("--limit", type=int, default=16, help="first N prompts (default 16; 0 = all)")
+    a.add_argument("--prompts", help="JSONL prompts ({'prompt': ...}, {'messages': [...]} or "
+                                     "SpecBench questions), or 'long' (built-in texts joined "
+                                     "past a 512-token window); default: the built-in set")
+    a.add_argument("--limit", type=_int_option("limit", 0), default=16,
+                   help="first N prompts (default 16; 0 = all)")
     a.add_argument("--engines", nargs="+", help="engines to run (default: all)")
     a.add_argument("--out", help="directory for report.md, report.json and PNG figures")
     _add_engine_options(a)
@@ -180,8 +245,25 @@ def main(argv=None) -> int:
     r.add_argument("trace", help="TRACE.json written by InvariantViolation.save or python -m proofs --save-trace")
     r.set_defaults(func=cmd_replay)
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad option (one line, Parser.error) or --help
+        return e.code
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:  # bad input: the rule in one line, not a traceback
+        if os.environ.get("SPECDEC_TRACEBACK"):
+            raise
+        print(f"specdec {args.command}: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def one_line(e: BaseException) -> str:
+    """The first non-empty line of an error's message (its type when there is none)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    if isinstance(e, OSError) and e.filename and text and str(e.filename) not in text:
+        text = f"{text}: {e.filename}"
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

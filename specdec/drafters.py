@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import torch
 
 from . import cache as cache_mod
-from . import layout
+from . import layout, validation
 from .batch import RaggedBatch
 
 
@@ -143,20 +143,46 @@ class ScriptedDrafter:
     At each step row b proposes ``scripts[row_ids[b]][generated[b] : generated[b] + k]``;
     past the end of a script it proposes ``fill``. With the target's own greedy output as
     script every draft is accepted; any other script forces rejections.
+
+    Scripts are checked at construction (lists of integer ids >= 0, like prompts) and
+    against the target's vocabulary when ``generate`` starts (``check_compatible``).
     """
 
     uses_cache = False
 
     def __init__(self, scripts: Sequence[Sequence[int]], fill: int = 0):
+        if isinstance(scripts, (str, bytes)) or not isinstance(scripts, (list, tuple)):
+            raise TypeError(f"ScriptedDrafter scripts must be a list of token-id lists, got "
+                            f"{validation.describe(scripts)}")
         if not scripts:
             raise ValueError("ScriptedDrafter needs one script per request, got none")
-        self.fill = int(fill)
-        longest = max(len(s) for s in scripts)
-        table = torch.full((len(scripts), longest + 1), self.fill, dtype=torch.long)
-        for r, s in enumerate(scripts):  # host-side, once at construction
-            if len(s):
-                table[r, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        self.fill = validation.integer(fill, "ScriptedDrafter fill (a token id)", minimum=0)
+        rows = [validation.token_ids(s, f"ScriptedDrafter script {r}") for r, s in enumerate(scripts)]
+        for r, s in enumerate(rows):
+            if any(t < 0 for t in s):
+                raise ValueError(f"ScriptedDrafter script {r} has negative token ids: "
+                                 f"{[t for t in s if t < 0][:5]}; token ids are >= 0")
+        longest = max(len(s) for s in rows)
+        table = torch.full((len(rows), longest + 1), self.fill, dtype=torch.long)
+        for r, s in enumerate(rows):  # host-side, once at construction
+            if s:
+                table[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         self.table = table
+        self.top = max([self.fill, *(max(s) for s in rows if s)])  # largest id it proposes
+
+    def check_compatible(self, target: torch.nn.Module) -> None:
+        """Every scripted id (and ``fill``) must be in the target's vocabulary."""
+        from .models import vocab_size
+
+        self.check_vocab(vocab_size(target))
+
+    def check_vocab(self, vocab: int) -> None:
+        if self.top >= vocab:
+            rows = self.table.cpu()
+            r = int((rows >= vocab).any(dim=1).nonzero()[0])
+            raise ValueError(f"ScriptedDrafter script {r} (or fill) has token ids outside the "
+                             f"target's vocabulary [0, {vocab}): "
+                             f"{rows[r][rows[r] >= vocab].tolist()[:5]}")
 
     def bind(self, prompts: Sequence[Sequence[int]]) -> None:
         """Called by ``generate`` with the prompts: one script per prompt is required."""
@@ -192,26 +218,40 @@ class ForcingDrafter:
 
     def __init__(self, reference: Sequence[Sequence[int]], pattern: Sequence[Sequence[int]],
                  vocab_size: int):
+        self.vocab_size = validation.integer(vocab_size, "ForcingDrafter vocab_size", minimum=2)
+        self.scripted = ScriptedDrafter(reference)
+        self.scripted.check_vocab(self.vocab_size)
+        if isinstance(pattern, (str, bytes)) or not isinstance(pattern, (list, tuple)):
+            raise TypeError(f"ForcingDrafter pattern must be a list of accepted-count lists, "
+                            f"got {validation.describe(pattern)}")
         if len(pattern) != len(reference):
             raise ValueError(f"one pattern per request: {len(pattern)} patterns for "
                              f"{len(reference)} references")
-        if vocab_size < 2:
-            raise ValueError("forcing a rejection needs a vocabulary of at least 2 tokens")
-        self.vocab_size = int(vocab_size)
-        self.scripted = ScriptedDrafter(reference)
+        pattern = [validation.token_ids(p, f"ForcingDrafter pattern {r}") for r, p in enumerate(pattern)]
         steps = max(1, max((len(p) for p in pattern), default=1))
         table = torch.full((len(pattern), steps), -1, dtype=torch.long)
         for r, p in enumerate(pattern):  # host-side, once at construction
             if any(a < 0 for a in p):
                 raise ValueError(f"pattern {r} has a negative accepted count: {list(p)}")
             if len(p):
-                table[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-                table[r, len(p):] = int(p[-1])
+                table[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+                table[r, len(p):] = p[-1]
         self.table = table
         self.calls = 0
 
     def bind(self, prompts) -> None:
         self.scripted.bind(prompts)
+
+    def check_compatible(self, target: torch.nn.Module) -> None:
+        """The reference ids, and the replacements drawn from ``vocab_size`` ids, must be
+        in the target's vocabulary."""
+        from .models import vocab_size
+
+        if self.vocab_size > vocab_size(target):
+            raise ValueError(f"ForcingDrafter vocab_size {self.vocab_size} exceeds the target's "
+                             f"vocabulary of {vocab_size(target)}: it would propose ids the "
+                             "target cannot embed")
+        self.scripted.check_compatible(target)
 
     def prefill(self, batch: RaggedBatch) -> None:
         self.scripted.prefill(batch)

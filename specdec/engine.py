@@ -1,82 +1,34 @@
-"""The decoding loop: prefill -> (draft -> verify -> commit -> realign)* with hooks.
+"""``generate``: validate the arguments, then hand the prompts to the chosen strategy.
 
-Reads top to bottom: ``generate`` validates its inputs, splits the prompts into batches of
-``batch_size`` and runs ``run_batch`` on each; ``run_batch`` calls ``prefill`` once and
-``step`` until every row has finished. After each phase every hook is called as
-``hook(phase, view)`` with a read-only ``invariants.StepView``.
+Reads top to bottom: ``generate`` checks its inputs at the boundary (``validate``, then
+the strategy's own option and model checks), builds the run's ``Context`` (constants) and
+``State`` (what changes), and calls the registry's strategy's ``run``, which decodes with
+the shared phases (``specdec/phases.py``: prefill -> (draft -> verify -> commit ->
+realign)*, hooks after each phase). The engine names no strategy: they come from
+``specdec.strategies`` (the registry and the interface every strategy implements).
 
-Strategies plug in after the shared phases: ``speculate`` (draft, verify, commit) and
-``sync`` (the host transfer) are common; what happens to the layout afterwards is the
-strategy's ``after_step`` (``strategies/eqspec.py``: realign every step; ``holes.py``:
-append and compact past a threshold). ``strategies/exspec.py`` runs its own loop over a
-request pool with the same ``prefill``, ``speculate`` and ``sync``. Each strategy names
-the layout profile its views carry (``ctx.profile``).
-
-Host synchronisation: one small transfer per step (which rows finished, the longest
-row, the committed counts: ``2B + 4`` integers), needed to size the next tensors; none
-inside draft, verify, commit or the realignment gathers.
+Validation (``validation.py``): ``generate`` checks every argument before any work
+(``validate``, then the strategy's ``check_options`` and ``check_models``); during the
+run ``phases.speculate`` checks each ``propose`` result (host facts at once; ids outside
+the vocabulary are clamped for the verify forward and flagged on the device, and
+``phases.sync`` raises ``ValueError`` when the flag is set, so such a step's output is
+never returned) and ``phases.emit`` refuses a hook that writes to its view
+(``validation.HookWatch``).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
-from invariants.view import ForwardRecord, StepView
-
-from . import acceptance, layout
 from . import cache as cache_mod
-from .batch import RaggedBatch, left_pad, rows_where
+from . import strategies, validation
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
-from .strategies import eqspec, exspec, holes
-
-STRATEGIES = ("eqspec", "exspec", "holes")
-PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
-
-Hook = Callable[[str, StepView], None]
-
-
-@dataclass
-class Stats:
-    """Counters of one ``generate`` call."""
-
-    steps: int = 0
-    drafted: int = 0  # drafts rows could use (sum of draft limits)
-    accepted: int = 0
-    committed: int = 0
-    # wall seconds per phase, plus "checks": time spent inside hooks
-    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES + ("checks",)})
-    accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
-    # exspec: steps served by a group of equal-length rows (no realignment); else None
-    grouped_steps: int | None = None
-    # holes: compactions run (slack past the threshold or capacity); else None
-    compactions: int | None = None
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted / usable drafts (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
-
-    @property
-    def group_rate(self) -> float | None:
-        """Share of steps served without realignment (exspec only; None otherwise)."""
-        if self.grouped_steps is None:
-            return None
-        return self.grouped_steps / self.steps if self.steps else 0.0
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "committed": self.committed, "acceptance": self.acceptance,
-                "group_rate": self.group_rate, "compactions": self.compactions,
-                "seconds": dict(self.seconds)}
+from .phases import Context, State, Stats, collect
 
 
 @dataclass
@@ -86,305 +38,40 @@ class Result:
     stats: Stats
 
 
-@dataclass
-class Context:
-    """What stays fixed during one ``generate`` call."""
+# ---------------------------------------------------------------------------------------
+# Validation at the boundary (the rules live in validation.py)
+# ---------------------------------------------------------------------------------------
 
-    target: torch.nn.Module
+class Checked(NamedTuple):
+    """``generate``'s arguments after ``validate``."""
+
+    ids: list  # [[int]] per prompt
     drafter: object
+    stops: list | None  # None: the model's generation config
+    hooks: tuple
     k: int
-    stop_ids: torch.Tensor  # [S] long
-    hooks: Sequence[Hook]
-    stats: Stats
-    max_position: int
-    profile: str = "contiguous"
-    stop_tuple: tuple = ()  # stop_ids on the host (views carry them without a sync)
-    strategy: str = "eqspec"
-    step: int = 0
-    batch_index: int = 0
-    # holes: slack share of the width past which a batch is compacted
-    hole_threshold: float = 0.0
-    # sliding window of the target (None: full attention); holes need position masks
-    target_window: int | None = None
-    # () -> dict of strategy facts added to every view's info (built only with hooks)
-    info: Callable[[], dict] | None = None
+    batch_size: int
+    max_new_tokens: int
 
 
-# ---------------------------------------------------------------------------------------
-# Validation at the boundary
-# ---------------------------------------------------------------------------------------
-
-def _check_causal_lm(model, role: str) -> None:
-    ok = (isinstance(model, torch.nn.Module) and hasattr(model, "config")
-          and not getattr(model.config, "is_encoder_decoder", False)
-          and callable(getattr(model, "get_output_embeddings", None))
-          and model.get_output_embeddings() is not None)
-    if not ok:
-        raise TypeError(
-            f"the {role} must be a transformers causal language model (a *ForCausalLM with an "
-            f"LM head), got {type(model).__name__}"
-        )
-
-
-def _to_ids(prompts, tokenizer) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of token-id lists or a list of strings")
-    if len(prompts) == 0:
-        raise ValueError("prompts must hold at least one prompt, got an empty list")
-    if all(isinstance(p, str) for p in prompts):
-        if tokenizer is None:
-            raise ValueError("text prompts need tokenizer=; or pass token-id lists")
-        return [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if isinstance(p, str):
-            raise TypeError("prompts must be all strings or all token-id lists, not a mix")
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token "
-                             "(the model predicts the next token from it)")
-        out.append(p)
-    return out
-
-
-def validate(target, ids, *, drafter, strategy, k, batch_size, max_new_tokens):
-    _check_causal_lm(target, "target")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k (drafts per step) must be an integer >= 0, got {k!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    vocab = vocab_size(target)
-    for i, p in enumerate(ids):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    ctx = context_length(target)
-    if ctx is not None:
-        for i, p in enumerate(ids):
-            if len(p) + max_new_tokens > ctx:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
-                    f"needs {len(p) + max_new_tokens} positions, beyond the model's context of "
-                    f"{ctx}: prompt + budget must be <= context"
-                )
+def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, max_new_tokens,
+             stop_token_ids, hooks) -> Checked:
+    """Every check of ``generate``'s common arguments, before any work; returns them
+    checked (ints as ints, the prompts as id lists, the default drafter filled in, stop ids
+    None for the model's own). Strategy options are the strategy's to check."""
+    cache_mod.check_transformers()  # first: the engine runs on one transformers release
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    validation.choice(strategy, "strategy", strategies.names())
+    k = validation.integer(k, "k (drafts per step)", minimum=0)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    hooks = validation.hooks(hooks)
+    drafter = NGramDrafter() if drafter is None else drafter
+    validation.drafter(drafter)
     if hasattr(drafter, "check_compatible"):
         drafter.check_compatible(target)
-    if hasattr(drafter, "model"):
-        _check_causal_lm(drafter.model, "draft model")
-
-
-# ---------------------------------------------------------------------------------------
-# Hooks
-# ---------------------------------------------------------------------------------------
-
-def emit(ctx: Context, phase: str, batch: RaggedBatch, **extra) -> None:
-    """Build the read-only view and call every hook (nothing is built without hooks)."""
-    if not ctx.hooks:
-        return
-    t0 = time.perf_counter()
-    tc, dc = batch.target_cache, batch.draft_cache
-    lag = 0
-    if dc is not None and phase in ("draft", "verify", "commit"):
-        lag = ctx.k + 1
-    view = StepView(
-        step=ctx.step, phase=phase, profile=ctx.profile, k=ctx.k,
-        tokens=batch.tokens, valid=batch.valid, positions=batch.positions,
-        lengths=batch.lengths, prompt_lengths=batch.prompt_lengths, budgets=batch.budgets,
-        generated=batch.generated, finished=batch.finished, row_ids=batch.row_ids,
-        output=batch.output, stop_token_ids=ctx.stop_tuple,
-        cache_widths=tuple(tc.layer_widths()),
-        cache_batch_sizes=tuple([tc.batch_size] * len(tc.layers)),
-        draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
-        draft_cache_lag=lag, model=ctx.target, cache_tensors=tc.layer_tensors,
-        info={"strategy": ctx.strategy, "batch_index": ctx.batch_index,
-              **(ctx.info() if ctx.info is not None else {})}, **extra,
-    )
-    try:
-        for hook in ctx.hooks:
-            hook(phase, view)
-    finally:
-        ctx.stats.seconds["checks"] += time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------
-# Phases
-# ---------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def prefill(ctx: Context, prompts: list[list[int]], row_ids: list[int], budgets: list[int],
-            capacity: Callable[[int, int], int] | None = None) -> RaggedBatch:
-    """Right-align the prompts and compute the target (and drafter) cache of all but the
-    pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
-    room for the whole budget at the prompt width, the contiguous profile's need)."""
-    t0 = time.perf_counter()
-    dev = next(ctx.target.parameters()).device
-    tokens, valid, positions, lengths = left_pad(prompts, device=dev)
-    b, w = tokens.shape
-    max_budget = max(budgets)
-    capacity = (w + max_budget + ctx.k + 1) if capacity is None else capacity(w, max_budget)
-    budgets_t = torch.tensor(budgets, dtype=torch.long, device=dev)
-    batch = RaggedBatch(
-        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
-        prompt_lengths=lengths.clone(), budgets=budgets_t,
-        generated=torch.zeros(b, dtype=torch.long, device=dev),
-        finished=torch.zeros(b, dtype=torch.bool, device=dev),
-        row_ids=torch.tensor(row_ids, dtype=torch.long, device=dev),
-        output=torch.zeros(b, max_budget + ctx.k + 1, dtype=torch.long, device=dev),
-        target_cache=cache_mod.new_cache(ctx.target, capacity),
-    )
-    record = None
-    cw = layout.cache_width(w)
-    if cw > 0:
-        ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
-        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
-        record = ForwardRecord(ids, pos, mask, 0)
-    ctx.drafter.prefill(batch)
-    _timed(ctx, "prefill", t0)
-    emit(ctx, "prefill", batch, forward=record)
-    return batch
-
-
-def _timed(ctx: Context, phase: str, t0: float) -> float:
-    t1 = time.perf_counter()
-    ctx.stats.seconds[phase] += t1 - t0
-    return t1
-
-
-@dataclass
-class Spec:
-    """What one draft -> verify -> commit produced (device tensors)."""
-
-    # [B, k] long
-    drafts: torch.Tensor
-    # [B] long: drafts each row may use
-    limit: torch.Tensor
-    # [B, k+1] long: target argmax at pending and each draft
-    predictions: torch.Tensor
-    # [B] long
-    accepted: torch.Tensor
-    # [B] long: tokens committed this step
-    committed: torch.Tensor
-
-
-@dataclass
-class HostStep:
-    """The one host transfer of a step."""
-
-    finished: list  # [B] bool per row
-    max_n: int  # longest row after the commit among rows that stay (0 when none stays)
-    committed: list  # [B] int
-
-
-@torch.no_grad()
-def speculate(ctx: Context, batch: RaggedBatch) -> Spec:
-    """Draft, verify and commit on ``batch`` (hooks after each phase); no host sync."""
-    k, dev = ctx.k, batch.device
-    b, w = batch.tokens.shape
-    t = time.perf_counter()
-
-    # -- draft ---------------------------------------------------------------------------
-    remaining = batch.remaining
-    limit = layout.draft_limit(layout.TORCH, k, remaining)
-    drafts = ctx.drafter.propose(batch, k)
-    if tuple(drafts.shape) != (b, k):
-        raise ValueError(f"drafter returned drafts of shape {list(drafts.shape)}, expected [{b}, {k}]")
-    t = _timed(ctx, "draft", t)
-    emit(ctx, "draft", batch, drafts=drafts, draft_limit=limit)
-
-    # -- verify: one forward over pending ++ drafts, explicit positions and mask ----------
-    t = time.perf_counter()
-    cw = layout.cache_width(w)  # slots 0 .. cw-1 are cached; the pending token is slot cw
-    inputs = torch.cat([batch.tokens[:, cw:], drafts], dim=1)
-    i = torch.arange(k + 1, device=dev)[None, :]
-    positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
-    mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
-    # holes in a sliding-window model: the window must count positions, not slots
-    kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) \
-        if batch.holes and ctx.target_window is not None else None
-    cache_before = batch.target_cache.width
-    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
-                               key_positions=kpos)
-    predictions = logits.argmax(dim=-1)
-    t = _timed(ctx, "verify", t)
-    emit(ctx, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
-         forward=ForwardRecord(inputs, positions, mask, cache_before))
-
-    # -- commit: accept, correction/bonus, stop tokens, budget ---------------------------
-    t = time.perf_counter()
-    accepted = acceptance.accepted_count(drafts, predictions, limit)
-    committed, stopped = acceptance.committed_count(predictions, accepted, remaining, ctx.stop_ids)
-    before = batch.generated
-    cols = before[:, None] + i
-    written = torch.where(i < committed[:, None], predictions, 0)
-    batch.output = batch.output.scatter(1, cols, written)
-    batch.generated = before + committed
-    batch.finished = layout.row_finished(batch.finished, stopped, batch.generated, batch.budgets)
-    _timed(ctx, "commit", t)
-    emit(ctx, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
-         accepted=accepted, committed=committed, generated_before=before)
-    return Spec(drafts, limit, predictions, accepted, committed)
-
-
-def sync(ctx: Context, batch: RaggedBatch, spec: Spec) -> HostStep:
-    """The one host sync of the step: finished rows, the longest staying row, committed
-    counts; updates the counters."""
-    b = batch.batch_size
-    max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
-    host = torch.cat([batch.finished.long(), spec.committed, max_n[None], spec.limit.sum()[None],
-                      spec.accepted.sum()[None], spec.committed.sum()[None]]).tolist()
-    st = ctx.stats
-    st.steps += 1
-    st.drafted += host[2 * b + 1]
-    st.accepted += host[2 * b + 2]
-    st.committed += host[2 * b + 3]
-    if ctx.hooks:
-        st.accepted_history.append(spec.accepted.tolist())
-    ctx.step += 1
-    return HostStep([bool(f) for f in host[:b]], host[2 * b], host[b : 2 * b])
-
-
-def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
-    """Hand the rows that finished this step to ``done`` (row_ids, output, generated)."""
-    count = sum(host.finished)
-    if count:
-        fin = rows_where(batch.finished, count)
-        done.append((batch.row_ids[fin], batch.output[fin], batch.generated[fin]))
-
-
-@torch.no_grad()
-def step(ctx: Context, batch: RaggedBatch, done: list) -> RaggedBatch | None:
-    """One speculative step; returns the next batch, or None when every row finished.
-
-    Finished rows leave the batch; their (row_ids, output, generated) go to ``done``.
-    """
-    spec = speculate(ctx, batch)
-    t = time.perf_counter()
-    host = sync(ctx, batch, spec)
-    retire(batch, host, done)
-    if all(host.finished):
-        _timed(ctx, "realign", t)
-        return None
-    batch = STRATEGY_MODULES[ctx.strategy].after_step(ctx, batch, spec, host)
-    _timed(ctx, "realign", t)
-    emit(ctx, "realign", batch)
-    return batch
-
-
-STRATEGY_MODULES = {"eqspec": eqspec, "holes": holes, "exspec": exspec}
-
-
-def run_batch(ctx: Context, prompts, row_ids, budgets, done: list) -> None:
-    plan = STRATEGY_MODULES[ctx.strategy]
-    batch = prefill(ctx, prompts, row_ids, budgets,
-                    capacity=lambda w, mb: plan.capacity(ctx, w, mb))
-    while batch is not None:
-        batch = step(ctx, batch, done)
+    return Checked(ids, drafter, stops, hooks, k, batch_size, max_new_tokens)
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,72 +79,60 @@ def run_batch(ctx: Context, prompts, row_ids, budgets, done: list) -> None:
 # ---------------------------------------------------------------------------------------
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
-             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), window=None,
-             hole_threshold=None) -> Result:
+             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), **options) -> Result:
     """Greedy speculative decoding of ``prompts`` with ``target``.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
     prompt i, the stop token included where one ended the row, equal to the target's own
     greedy decoding. ``stop_token_ids`` defaults to the target's generation config.
 
-    Strategy options: ``window`` (exspec: requests held in the pool, default
-    ``2 * batch_size``, at least ``batch_size``); ``hole_threshold`` (holes: compact when
-    the reclaimable share of the width passes it, in ``[0, 1]``; default
-    ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache is full).
+    ``strategy`` is a name of ``specdec.strategies.names()``. Strategy options are
+    keywords (None: the default); each strategy declares its own: ``window`` (exspec:
+    requests held in the pool, default ``2 * batch_size``, at least ``batch_size``);
+    ``hole_threshold`` (holes: compact when the reclaimable share of the width passes it,
+    in ``[0, 1]``; default ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache
+    is full).
+
+    Bad input raises ``TypeError`` (a value of the wrong kind) or ``ValueError`` (out of
+    range) with one line that states the rule (``specdec.validation``), before any work;
+    a drafter's bad output, or a hook's write to its view, raises ``ValueError`` during
+    the run.
     """
-    ids = _to_ids(prompts, tokenizer)
-    drafter = NGramDrafter() if drafter is None else drafter
-    validate(target, ids, drafter=drafter, strategy=strategy, k=k, batch_size=batch_size,
-             max_new_tokens=max_new_tokens)
-    if window is not None:
-        if strategy != "exspec":
-            raise ValueError(f"window= applies to strategy='exspec' only, not {strategy!r}")
-        if not isinstance(window, int) or window < batch_size:
-            raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
-                             f"= {batch_size}, got {window!r}")
-    if hole_threshold is not None:
-        if strategy != "holes":
-            raise ValueError(f"hole_threshold= applies to strategy='holes' only, not {strategy!r}")
-        if not isinstance(hole_threshold, (int, float)) or not 0 <= hole_threshold <= 1:
-            raise ValueError(f"hole_threshold must be a number in [0, 1], got {hole_threshold!r}")
-    window_t = None
-    if strategy == "holes":  # refuse sliding-window setups a position mask cannot serve
-        holes.check_model(target)
-        if hasattr(drafter, "model"):
-            holes.check_model(drafter.model)
-        window_t = cache_mod.sliding_window(target)
+    a = validate(target, prompts, tokenizer=tokenizer, drafter=drafter, strategy=strategy, k=k,
+                 batch_size=batch_size, max_new_tokens=max_new_tokens,
+                 stop_token_ids=stop_token_ids, hooks=hooks)
+    ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
+    plugin = strategies.get(strategy)
+    given = {name: v for name, v in options.items() if v is not None}
+    check_option_names(plugin, given)
+    resolved = plugin.check_options(given, batch_size=batch_size)
+    plugin.check_models(target, drafter)
     dev = next(target.parameters()).device
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    stops = model_stop_ids(target) if a.stops is None else a.stops
     ctx_len = context_length(target)
     ctx = Context(
         target=target, drafter=drafter, k=k,
         stop_ids=torch.tensor(stops, dtype=torch.long, device=dev), stop_tuple=tuple(stops),
-        hooks=tuple(hooks), stats=Stats(),
-        max_position=(ctx_len - 1) if ctx_len else 2**31 - 1, strategy=strategy,
-        profile=STRATEGY_MODULES[strategy].PROFILE, target_window=window_t,
-        hole_threshold=holes.DEFAULT_THRESHOLD if hole_threshold is None else float(hole_threshold),
+        hooks=a.hooks, max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
+        strategy=strategy, options=MappingProxyType(dict(resolved)),
+        target_window=cache_mod.sliding_window(target), vocab=vocab_size(target),
     )
+    state = State(profile=plugin.profile)
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
     done: list = []
-    if strategy == "exspec":
-        exspec.run(ctx, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                   window=exspec.default_window(batch_size) if window is None else window,
-                   done=done)
-        return Result(sequences=collect(done, len(ids)), stats=ctx.stats)
-    if strategy == "holes":
-        ctx.stats.compactions = 0
-    for start in range(0, len(ids), batch_size):
-        chunk = list(range(start, min(start + batch_size, len(ids))))
-        ctx.batch_index = start // batch_size
-        run_batch(ctx, [ids[r] for r in chunk], chunk, [max_new_tokens] * len(chunk), done)
-    return Result(sequences=collect(done, len(ids)), stats=ctx.stats)
+    plugin.run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens, done=done)
+    return Result(sequences=collect(done, len(ids)), stats=state.stats)
 
 
-def collect(done: list, count: int) -> list[list[int]]:
-    """Host-side assembly of finished rows into per-prompt lists (once per call)."""
-    seqs: list = [None] * count
-    for row_ids, output, generated in done:
-        for r, out, g in zip(row_ids.tolist(), output.tolist(), generated.tolist()):
-            seqs[r] = out[:g]
-    return seqs
+def check_option_names(plugin: strategies.Strategy, given: dict) -> None:
+    """Refuse options ``plugin`` does not declare, naming the strategies that take them."""
+    own = {o.name for o in plugin.options}
+    for name in given:
+        if name in own:
+            continue
+        takers = [n for n in strategies.names() if name in {o.name for o in strategies.get(n).options}]
+        if not takers:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        which = " or ".join(f"strategy={t!r}" for t in takers)
+        raise ValueError(f"{name}= applies to {which} only, not {plugin.name!r}")

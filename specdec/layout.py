@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 class Ops(Protocol):
     """What the index math needs from a backend.
 
-    Element-wise: ``where``, ``clamp``, ``minimum``. Reductions over one axis (``dim``),
+    Element-wise: ``where``, ``clamp``, ``minimum``, ``maximum``. Reductions over one axis (``dim``),
     torch semantics (``keepdim`` keeps the axis with size 1): ``amax``, ``amin``, ``any``.
     Arithmetic and comparisons are the operands' own operators (``+ - * >= < & ~``).
     """
@@ -34,6 +34,7 @@ class Ops(Protocol):
     def where(self, cond: Any, a: Any, b: Any) -> Any: ...
     def clamp(self, x: Any, lo: Any, hi: Any) -> Any: ...
     def minimum(self, a: Any, b: Any) -> Any: ...
+    def maximum(self, a: Any, b: Any) -> Any: ...
     def amax(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
     def amin(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
     def any(self, x: Any, dim: int, keepdim: bool = False) -> Any: ...
@@ -55,6 +56,11 @@ class _TorchOps:
 
         return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
 
+    def maximum(self, a, b):
+        import torch
+
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+
     def amax(self, x, dim, keepdim=False):
         import torch
 
@@ -72,6 +78,41 @@ class _TorchOps:
 
 
 TORCH: Ops = _TorchOps()
+
+
+class _HostOps:
+    """Python numbers (sizes the host computes once per batch); reductions take a
+    sequence and ``dim=0``."""
+
+    def where(self, cond, a, b):
+        return a if cond else b
+
+    def clamp(self, x, lo, hi):
+        return min(max(x, lo), hi)
+
+    def minimum(self, a, b):
+        return min(a, b)
+
+    def maximum(self, a, b):
+        return max(a, b)
+
+    def _reduce(self, fn, x, dim, keepdim):
+        if dim != 0:
+            raise ValueError(f"host ops reduce a flat sequence over dim 0, got dim={dim}")
+        out = fn(x)
+        return [out] if keepdim else out
+
+    def amax(self, x, dim, keepdim=False):
+        return self._reduce(max, x, dim, keepdim)
+
+    def amin(self, x, dim, keepdim=False):
+        return self._reduce(min, x, dim, keepdim)
+
+    def any(self, x, dim, keepdim=False):
+        return self._reduce(any, x, dim, keepdim)
+
+
+HOST: Ops = _HostOps()
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,3 +351,59 @@ def grouped(ops: Ops, n):
     """True when every row of ``n`` ([B] or [B, 1], reduced over dim 0) has the same
     length: the compute batch then has no padding (grouped profile)."""
     return ops.amax(n, dim=0) == ops.amin(n, dim=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Sizing: how many slots each buffer needs. Host integers in the engine; the proofs
+# (``proofs/sizing.py``) evaluate the same functions on z3 terms and prove that every
+# write of a step lands inside the buffer.
+# ---------------------------------------------------------------------------------------
+# A row takes part in a step only while ``generated < budget`` (``row_finished``), so it
+# has at most ``prompt + budget - 1`` real tokens then, and a batch whose prompts have
+# width ``width`` never steps from a width above ``width + max_budget - 1``.
+
+def output_width(max_budget, k):
+    """Columns of the output buffer: a step writes columns ``generated .. generated + k``
+    (committed tokens, then zeros) with ``generated <= max_budget - 1``."""
+    return max_budget + k + 1
+
+
+def contiguous_capacity(width, max_budget, k):
+    """Cache slots of a contiguous batch whose prompts have width ``width``: the batch
+    steps from a width of at most ``width + max_budget - 1`` and a verify writes ``k + 1``
+    slots past its cache (``verify_fits``). Also the reference decoder's need (``k = 0``)."""
+    return width + max_budget + k + 1
+
+
+def widest_before_compaction(longest, threshold):
+    """HOLES: the widest batch the compaction threshold lets through, ``ceil(longest /
+    (1 - threshold))`` (the slack share stays at most ``threshold``), or None for a
+    threshold of 1 (never compact unless the cache is full). Host floats only."""
+    import math
+
+    return None if threshold >= 1 else math.ceil(longest / (1 - threshold))
+
+
+def holes_capacity(ops: Ops, width, max_budget, k, widest):
+    """Cache slots of a HOLES batch whose prompts have width ``width``: room for the
+    widest batch the threshold lets through (``widest``, from ``widest_before_compaction``;
+    None: never compact, and since every step commits at least one token the widest batch
+    is ``width + max_budget (k + 1) - 1``) plus a verify, but never less than the
+    contiguous need: a batch that would not fit compacts to its longest row first, which
+    then fits (proved)."""
+    never = width + max_budget * (k + 1)
+    cap = never if widest is None else ops.minimum(never, widest + k + 1)
+    return ops.maximum(cap, contiguous_capacity(width, max_budget, k))
+
+
+def pool_capacity(longest, k):
+    """EXSPEC pool slots per request of at most ``longest`` tokens (prompt + budget):
+    a step writes pool slots up to position ``n + k <= longest - 1 + k``; the last slot
+    is the trash slot that discarded scatters write to."""
+    return longest + k + 2
+
+
+def pool_compute_capacity(longest, k):
+    """EXSPEC compute-cache slots: a verify from width ``W <= longest - 1`` writes up to
+    slot ``W + k - 1``."""
+    return longest + k

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import cache as cache_mod
+from . import layout
 from .batch import left_pad
-from .engine import _check_causal_lm, _to_ids
+from . import validation
 from .models import stop_token_ids as model_stop_ids
 
 
@@ -24,14 +25,11 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
 
     With ``return_margins=True`` also returns, per prompt, the top-1 minus top-2 logit
     margin of the target at every generated position (a list of floats).
+    Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     """
-    _check_causal_lm(target, "target")
-    ids = _to_ids(prompts, tokenizer)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    cache_mod.check_transformers()  # first: it decodes through the engine's cache
+    ids, max_new_tokens, batch_size, stops = _checked_request(
+        target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
@@ -43,10 +41,20 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     return (seqs, margins) if return_margins else seqs
 
 
+def _checked_request(target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids):
+    """A decoding request checked as ``specdec.generate`` checks it (``specdec.validation``):
+    (prompt ids, max_new_tokens, batch_size, stop ids; the model's own when none given)."""
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    return ids, max_new_tokens, batch_size, model_stop_ids(target) if stops is None else stops
+
+
 def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
-    cache = cache_mod.new_cache(target, w + max_new_tokens + 1)
+    cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
     logits = cache_mod.forward(target, tokens, positions, valid, cache, last_logits=True)[:, -1]
     mask = valid
     pos = lengths.clone()
@@ -79,12 +87,10 @@ def hf_generate(target, prompts, *, max_new_tokens, batch_size=8, stop_token_ids
                 tokenizer=None):
     """Hugging Face's own batched greedy ``generate``, prompts left-padded in batches of
     ``batch_size``: an independent batched decoding loop (not specdec's forward path).
-    Greedy ids per prompt, cut after the first stop token."""
-    _check_causal_lm(target, "target")
-    ids = _to_ids(prompts, tokenizer)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    stops = model_stop_ids(target) if stop_token_ids is None else [int(s) for s in stop_token_ids]
+    Greedy ids per prompt, cut after the first stop token; inputs checked as in
+    ``reference_generate``."""
+    ids, max_new_tokens, batch_size, stops = _checked_request(
+        target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     dev = next(target.parameters()).device
     pad = target.generation_config.pad_token_id
     pad = stops[0] if pad is None and stops else (0 if pad is None else pad)

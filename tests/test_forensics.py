@@ -13,7 +13,7 @@ import specdec
 from specdec import drafters, models
 from specdec.forensics.known_bad import (DESYNCS, EXPECTED_INVARIANT, GUARD_VISIBLE, KNOWN_BAD,
                                          generate_known_bad)
-from strategies import random_prompts
+from harness import random_prompts
 from conftest import tiny_pair
 
 NEW = 16

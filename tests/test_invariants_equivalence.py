@@ -11,7 +11,7 @@ from invariants import DEFAULT_TOLERANCE, Monitor, compare_outputs
 from invariants._hf import shaped_logits
 from invariants.equivalence import (FLOOR_ULPS, EngineShape, check_row, divergence_margin,
                                     greedy_reference, recomputations, ulp)
-from strategies import hf_tiny_llama
+from toy_engine import hf_tiny_llama
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,10 @@ import specdec
 from conftest import tiny_pair
 from invariants import InvariantViolation, Monitor, guard_model
 from specdec import drafters, models
-from specdec.engine import STRATEGIES
+from specdec.strategies import names as strategy_names
+from specdec.validation import fault_injection
+
+pytestmark = pytest.mark.engine
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -53,7 +56,7 @@ def test_no_false_alarm_on_the_engine(family, kind, mode):
     assert len(mon.accepted_history) == res.stats.steps
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "eqspec"])
+@pytest.mark.parametrize("strategy", [s for s in strategy_names() if s != "eqspec"])
 def test_no_false_alarm_on_every_realignment_strategy(family, strategy):
     target, _ = tiny_pair(family)
     mon = Monitor("deep")
@@ -137,7 +140,7 @@ def test_deep_mode_catches_a_corrupted_kv_cache():
 
     with pytest.raises(InvariantViolation) as err:
         specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
-                         hooks=[corrupt, Monitor("deep")])
+                         hooks=[fault_injection(corrupt), Monitor("deep")])
     v = err.value
     assert (v.invariant, v.phase, v.step, v.rows) == ("I5", "realign", 2, [0])
     assert v.slots == [[v.trace["width"] - 2]]
@@ -153,7 +156,7 @@ def test_deep_mode_catches_an_output_that_leaves_greedy_decoding():
 
     with pytest.raises(InvariantViolation) as err:
         specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET,
-                         hooks=[corrupt, Monitor("deep", invariants=("I7",))])
+                         hooks=[fault_injection(corrupt), Monitor("deep", invariants=("I7",))])
     v = err.value
     assert (v.invariant, v.rows, v.slots) == ("I7", [1], [[0]])
     assert "desync" in v.rules[0]
@@ -167,7 +170,7 @@ def test_recording_mode_lets_a_broken_run_finish():
             view.positions[:, -1] += 1
 
     mon = Monitor("strict", raise_on_violation=False, run={"family": "llama"})
-    res = specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[shift, mon])
+    res = specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[fault_injection(shift), mon])
     realigns = res.stats.steps - 1
     assert len(mon.violations) >= realigns > 0
     assert {v.invariant for v in mon.violations} == {"I3"}
@@ -192,7 +195,7 @@ def test_deep_mode_records_a_near_tie_instead_of_raising():
             view.output[0, i] = u if ref[i] == t else t
 
     mon = Monitor("deep", invariants=("I7",))
-    specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET, hooks=[flip, mon])
+    specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET, hooks=[fault_injection(flip), mon])
     assert mon.check() == []
     assert [(n["row_id"], n["index"]) for n in mon.near_ties] == [(0, i)]
     assert mon.near_ties[0]["margin"] == 0 and mon.near_ties[0]["spread"] is not None
@@ -221,7 +224,7 @@ def test_deep_mode_finds_a_desync_after_a_near_tie():
     mon = Monitor("deep", invariants=("I7",))
     with pytest.raises(InvariantViolation) as err:
         specdec.generate(target, [prompt], k=K, max_new_tokens=BUDGET,
-                         hooks=[flip_then_corrupt, mon])
+                         hooks=[fault_injection(flip_then_corrupt), mon])
     v = err.value
     assert (v.invariant, v.rows, v.slots) == ("I7", [0], [[j]])
     assert "teacher-forced" in v.rules[0] and "desync" in v.rules[0]
@@ -235,7 +238,7 @@ def test_deep_mode_is_silent_on_a_correct_engine_in_reduced_precision(dtype):
     refs = specdec.reference_generate(target, prompts, max_new_tokens=BUDGET)
     scripts = [[t if (i + r) % 3 else (t + 1) % models.TINY_VOCAB for i, t in enumerate(ref)]
                for r, ref in enumerate(refs)]
-    for strategy in STRATEGIES:
+    for strategy in strategy_names():
         mon = Monitor("deep", invariants=("I7",))
         specdec.generate(target, prompts, k=K, batch_size=4, max_new_tokens=BUDGET,
                          drafter=drafters.ScriptedDrafter(scripts), strategy=strategy,

@@ -10,7 +10,7 @@ import torch
 
 from invariants import InvariantViolation, Monitor
 from invariants.trace import MAX_GRID_ROWS, TRACE_VERSION, render
-from strategies import toy_views
+from toy_engine import toy_views
 
 torch.set_num_threads(1)
 

@@ -14,7 +14,8 @@ from hypothesis.errors import NoSuchExample
 
 from specdec import mutants
 from specdec.forensics.known_bad import KNOWN_BAD
-from strategies import cases, outcome_failures, run_case
+from harness import outcome_failures, run_case
+from hyp_inputs import cases
 
 SEARCH = settings(max_examples=60, derandomize=True, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))

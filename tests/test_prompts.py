@@ -1,4 +1,5 @@
-"""The built-in prompt set, JSON-lines loading, and encoding with the real tokenizer."""
+"""The built-in prompt set (package data), JSON-lines loading, and encoding with the real
+tokenizer."""
 
 from __future__ import annotations
 
@@ -85,7 +86,25 @@ def _write(tmp_path, lines, name="p.jsonl"):
     return path
 
 
-def test_load_specbench_format_uses_the_first_turn(tmp_path):
+def test_builtin_prompts_are_the_package_data_file_read_by_the_same_reader():
+    from importlib import resources
+
+    path = resources.files("specdec") / "data" / "prompts.jsonl"
+    assert path.is_file()
+    assert load_jsonl(path) == builtin_prompts()
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    assert all(set(x) == {"id", "kind", "messages"} for x in lines)
+
+
+def test_builtin_prompts_ship_as_package_data():
+    import tomllib
+    from pathlib import Path
+
+    cfg = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "data/*.jsonl" in cfg["tool"]["setuptools"]["package-data"]["specdec"]
+
+
+def test_load_specbench_format_keeps_every_turn_and_the_category(tmp_path):
     path = _write(tmp_path, [
         json.dumps({"question_id": 81, "category": "writing",
                     "turns": ["Write a poem about rain.", "Now make it shorter."]}),
@@ -96,7 +115,19 @@ def test_load_specbench_format_uses_the_first_turn(tmp_path):
     ps = load_jsonl(path)
     assert [p.id for p in ps] == ["81", "82"]
     assert [p.kind for p in ps] == ["writing", "math_reasoning"]
-    assert ps[0].messages == ({"role": "user", "content": "Write a poem about rain."},)
+    assert ps[0].messages == ({"role": "user", "content": "Write a poem about rain."},
+                              {"role": "user", "content": "Now make it shorter."})
+    assert ps[1].messages == ({"role": "user", "content": "What is 2 + 2?"},)
+
+
+def test_load_messages_format(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    path = _write(tmp_path, [json.dumps({"messages": chat, "id": "c1", "kind": "chat"}),
+                             json.dumps({"messages": chat[1:2]})])
+    ps = load_jsonl(path)
+    assert ps[0] == Prompt(id="c1", kind="chat", messages=tuple(chat))
+    assert ps[1].kind == "custom" and ps[1].id == "line-2"
 
 
 def test_load_plain_prompt_format(tmp_path):
@@ -121,6 +152,13 @@ def test_load_plain_prompt_format(tmp_path):
     '{"turns": [1, 2]}',
     '{"prompt": 42}',
     '{"question": "wrong key"}',
+    '{"messages": []}',
+    '{"messages": "hello"}',
+    '{"messages": [{"role": "user"}]}',
+    '{"messages": [{"role": "robot", "content": "beep"}]}',
+    '{"messages": [{"role": "user", "content": 3}]}',
+    '{"messages": [{"role": "user", "content": "a", "extra": 1}]}',
+    '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
 ])
 def test_malformed_line_names_line_number_and_rule(tmp_path, bad):
     path = _write(tmp_path, [json.dumps({"prompt": "fine"}), "", bad])
@@ -153,6 +191,25 @@ def test_encode_with_the_chat_template(tokenizer):
     assert multi.count("assistant") > single.count("assistant")
 
 
+def test_joined_merges_consecutive_messages_of_one_role_only():
+    ms = ({"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+          {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"})
+    assert prompts.joined(ms) == [{"role": "user", "content": "a\n\nb"},
+                                  {"role": "assistant", "content": "c"},
+                                  {"role": "user", "content": "d"}]
+    for p in builtin_prompts():  # every built-in conversation alternates: unchanged
+        assert prompts.joined(p.messages) == list(p.messages)
+
+
+def test_encode_a_multi_turn_specbench_question_asks_every_turn(tokenizer, tmp_path):
+    path = _write(tmp_path, [json.dumps({"question_id": 1, "category": "writing",
+                                         "turns": ["Name a fruit.", "Now name a colour."]})])
+    [ids] = encode(load_jsonl(path), tokenizer)
+    text = tokenizer.decode(ids)
+    assert "Name a fruit." in text and "Now name a colour." in text
+    assert text.count("<|im_start|>user") == 1  # one user message holding both turns
+
+
 def test_encode_accepts_loaded_prompts(tokenizer, tmp_path):
     path = _write(tmp_path, [json.dumps({"prompt": "Say hello."})])
     [ids] = encode(load_jsonl(path), tokenizer)
@@ -165,11 +222,22 @@ def test_encode_without_a_chat_template_uses_plain_text(tokenizer):
     chat = next(p for p in builtin_prompts() if p.kind == "chat")
     qa = Prompt(id="q", kind="qa", messages=({"role": "user", "content": "Why is grass green?"},))
     ids_qa, ids_chat = encode([qa, chat], plain)
-    assert ids_qa == plain("Why is grass green?", add_special_tokens=False)["input_ids"]
+    assert ids_qa == plain("Why is grass green?")["input_ids"]  # the tokenizer's own specials
     text = plain.decode(ids_chat)
     for m in chat.messages:
         assert m["content"] in text
     assert text.rstrip().endswith("Assistant:")
+
+
+def test_long_prompts_grow_row_to_row_from_the_built_in_texts():
+    ps = prompts.long_prompts(8)
+    words = [p.word_count() for p in ps]
+    assert [p.kind for p in ps] == ["long"] * 8 and len({p.id for p in ps}) == 8
+    assert words == sorted(words) and words[0] >= 440 and words[-1] - words[0] >= 150
+    base = builtin_prompts()
+    for i, p in enumerate(ps):  # prompt i starts with the (5 i)-th built-in text
+        assert p.text.startswith("Note 1: " + " ".join(base[5 * i].text.split()[:6]))
+    assert all(p.text.endswith("what is note 1 about?") for p in ps)
 
 
 class _ListTokenizer:

@@ -71,6 +71,56 @@ def test_obligations_are_not_vacuous():
     assert r.status == "counterexample" and r.counterexample["rows"]
 
 
+# -- sizing ----------------------------------------------------------------------------------
+# Each sizing function made smaller by one slot more than its slack must fail the
+# obligations that rely on it: the proofs see the very function the engine sizes with.
+
+SIZING = {  # layout function: (slots taken away, obligations that must then fail)
+    "output_width": (2, ["sizing/output width"]),
+    "contiguous_capacity": (3, ["sizing/eqspec capacity", "sizing/reference capacity",
+                                "sizing/holes capacity after compaction"]),
+    "holes_capacity": (3, ["sizing/holes capacity after compaction",
+                           "sizing/holes capacity, never compacting",
+                           "sizing/holes threshold triggers first",
+                           "sizing/holes never compacting fits"]),
+    "pool_capacity": (2, ["sizing/exspec pool writes"]),
+    "pool_compute_capacity": (2, ["sizing/exspec compute capacity"]),
+}
+
+
+@pytest.mark.parametrize("fn", SIZING)
+def test_a_buffer_too_small_gives_a_sizing_counterexample(monkeypatch, fn):
+    from proofs import sizing
+
+    fewer, expected = SIZING[fn]
+    orig = getattr(layout, fn)
+    monkeypatch.setattr(layout, fn, lambda *a: orig(*a) - fewer)
+    results = {ob.name: check(ob, 1) for ob in sizing.obligations()}
+    assert all(results[name].status == "counterexample" for name in expected), \
+        {n: r.status for n, r in results.items()}
+    assert {n for n, r in results.items() if not r.ok} >= set(expected)
+
+
+@pytest.mark.parametrize("strategy, fn, error", [
+    ("eqspec", "contiguous_capacity", "cache capacity exceeded"),
+    ("holes", "holes_capacity", "cache capacity exceeded"),
+    ("exspec", "pool_compute_capacity", "cache capacity exceeded"),
+    ("exspec", "pool_capacity", "out of bounds"),  # the pool's token store
+    ("reference", "contiguous_capacity", "cache capacity exceeded")])
+def test_the_engine_sizes_its_buffers_with_the_proved_functions(monkeypatch, strategy, fn, error):
+    import specdec
+    from specdec import models
+
+    target = models.tiny("llama")
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    monkeypatch.setattr(layout, fn, lambda *a: 1)  # one slot: the first write overflows
+    with pytest.raises((ValueError, IndexError), match=error):
+        if strategy == "reference":
+            specdec.reference_generate(target, prompts, max_new_tokens=4)
+        else:
+            specdec.generate(target, prompts, strategy=strategy, max_new_tokens=4)
+
+
 # -- mutants ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", mutants.NAMES)
@@ -80,7 +130,7 @@ def test_every_mutant_yields_a_counterexample(name):
     cexs = [r for r in results if r.status == "counterexample"]
     assert cexs, f"mutant {name} survived every obligation"
     assert all(r.status in ("proved", "counterexample") for r in results)
-    if strategy == "eqspec":  # proofs.replay rebuilds EQSPEC steps only
+    if strategy == "eqspec":  # forensics.counterexample rebuilds EQSPEC steps only
         assert any(cli.replayable(r.counterexample) for r in cexs)
     else:
         assert not any(cli.replayable(r.counterexample) for r in cexs)
@@ -88,7 +138,7 @@ def test_every_mutant_yields_a_counterexample(name):
 
 @pytest.mark.parametrize("name", mutants.names("eqspec"))
 def test_mutant_counterexample_replays_on_the_engine(name):
-    from proofs.replay import replay_counterexample
+    from specdec.forensics.counterexample import replay_counterexample
 
     torch.set_num_threads(1)
     results = proofs.run(3, mutant=name, groups=["eqspec"])
@@ -196,6 +246,11 @@ FORMULAS = [
     (r"\bpad\w*\s*\+\s*pos\w*", "compact_dest_slot: pad' + position"),
     (r"\+\s*k\s*<=\s*[\w.]*capacity\b", "verify_fits: W + k <= capacity"),
     (r"\w\s*-\s*[\w.]*max_n\b", "slack: W - max n"),
+    (r"\b\w*budget\w*\)?\s*\+\s*[\w.]*k\s*\+\s*1\b",
+     "output_width / contiguous_capacity: ... + max_budget + k + 1"),
+    (r"\blongest\s*\+\s*[\w.]*k\b", "pool_capacity / pool_compute_capacity: longest + k"),
+    (r"/\s*\(\s*1\s*-", "widest_before_compaction: longest / (1 - threshold)"),
+    (r"\bmax_budget\s*\*\s*\(", "holes_capacity: width + max_budget (k + 1)"),
 ]
 
 
@@ -216,7 +271,8 @@ def _code_only(path: Path) -> str:
 
 
 def test_no_second_copy_of_the_index_formulas():
-    files = [ROOT / "specdec" / "engine.py", ROOT / "specdec" / "acceptance.py"]
+    files = [ROOT / "specdec" / name for name in ("engine.py", "phases.py", "acceptance.py",
+                                                  "reference.py")]
     files += sorted((ROOT / "specdec" / "strategies").glob("*.py"))
     found = []
     for path in files:
@@ -268,13 +324,13 @@ def test_pool_obligations_catch_a_broken_pool(monkeypatch):
         return nxt
 
     monkeypatch.setattr(P, "step", finish_keeps_active)
-    P._CACHE.clear()
+    proofs.clear_caches()
     try:
         ob = next(o for o in P.obligations() if "exactly one state" in o.name)
         r = check(ob, 3)
         assert r.status == "counterexample" and r.counterexample["move"] == "finish"
     finally:
-        P._CACHE.clear()
+        proofs.clear_caches()
 
 
 # -- HOLES and EXSPEC ------------------------------------------------------------------------
@@ -388,7 +444,7 @@ def test_exspec_pool_follows_the_pool_model():
     from conftest import tiny_pair
     from proofs import pool as P
     from specdec import drafters, models
-    from strategies import random_prompts
+    from harness import random_prompts
 
     torch.set_num_threads(1)
     target, _ = tiny_pair("llama")

@@ -9,8 +9,9 @@ tokens), 16 new tokens, batch 8, with a scripted drafter (the reference with eve
 token corrupted: steps that accept every draft next to steps that reject), and a broken
 loop. The full measurement, every engine (the known-bad ones too) on all 48 prompts with
 32 new tokens and the n-gram drafter (what ``specdec audit --dtype bfloat16 --limit 0``
-runs; its table is in the README), is marked ``slow`` and runs with ``pytest --run-slow``
-(tens of minutes on 2 cores); so is the subtle-bug case below. In CI the known-bad claim
+runs; its table is in the README), is marked ``campaign`` and runs under
+``HYPOTHESIS_PROFILE=campaign`` or ``thorough`` (tens of minutes on 2 cores); so is the
+subtle-bug case below. In CI the known-bad claim
 is checked on tiny models (``test_reduced_precision.py``).
 """
 
@@ -21,10 +22,12 @@ import pytest
 import invariants
 import specdec
 from specdec import drafters, models, prompts
-from specdec.forensics.audit import CORRECT, run_audit
-from strategies import broken_greedy, corrupted
+from specdec.forensics.audit import correct_names, run_audit
+from broken_loop import broken_greedy
+from harness import corrupted
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.engine,
+              pytest.mark.xdist_group("smollm2-135m-instruct")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def test_8_prompts_correct_engines_give_no_desync(bf16):
     ids = ids_of(tok, 8)
     ref = specdec.reference_generate(model, ids, max_new_tokens=16)
     script = corrupted(ref, models.vocab_size(model), every=6)
-    report = run_audit(model, tok, ids, engines=CORRECT, batch_size=8, k=4, max_new_tokens=16,
+    report = run_audit(model, tok, ids, engines=correct_names(), batch_size=8, k=4, max_new_tokens=16,
                        drafter_factory=lambda: drafters.ScriptedDrafter(script),
                        drafter_name="scripted")
     assert report.settings["dtype"] == "bfloat16" and "calibrated" in report.settings["oracle"]
@@ -87,7 +90,7 @@ def test_8_prompts_a_broken_loop_is_a_desync(bf16):
         assert row.desync.gap is None or row.desync.gap > row.desync.threshold
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_8_prompts_a_subtle_bug_is_flagged_where_it_leaves_the_noise(bf16):
     """The first token (``<|im_start|>``) masked out moves SmolLM2's logits by about as
     much as bf16 rounding does: where that flips a token within the measured spread the
@@ -98,7 +101,7 @@ def test_8_prompts_a_subtle_bug_is_flagged_where_it_leaves_the_noise(bf16):
     assert {r.row for r in res.desyncs} <= set(changed)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_48_prompts_correct_engines_clean_known_bad_flagged(bf16):
     model, tok = bf16
     report = run_audit(model, tok, ids_of(tok, 48), batch_size=8, k=4, max_new_tokens=32)

@@ -22,8 +22,11 @@ import specdec
 from specdec import models
 from specdec.forensics.known_bad import KNOWN_BAD
 from specdec.reference import hf_generate
-from strategies import (BROKEN_LOOPS, NAIVE, Case, broken_greedy, cases, random_prompts,
-                        run_case)
+from broken_loop import BROKEN_LOOPS, broken_greedy
+from harness import NAIVE, random_prompts, run_case
+from hyp_inputs import Case, cases
+
+pytestmark = pytest.mark.engine
 
 DTYPES = ("bfloat16", "float16")
 SPECULATIVE = ("eqspec", "exspec", "holes")

@@ -1,6 +1,6 @@
 """Stateful tests: submit, step and finish in any order, with the invariants checked.
 
-``EngineMachine`` drives the engine's step API (``engine.prefill`` / ``engine.step``) over
+``EngineMachine`` drives the shared phases (``phases.prefill`` / ``phases.step``) over
 batches formed from submitted requests; ``PoolMachine`` drives EXSPEC's scheduling pool
 (submit -> admit -> schedule/build -> speculate -> write back). Both check, as
 ``@invariant``s, that every submitted request is in exactly one of waiting, active and
@@ -19,9 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import invariants
 import specdec
-from specdec import drafters, engine, models
+from specdec import drafters, models, phases, strategies
 from specdec.strategies import exspec
-from strategies import tiny_target
+from harness import tiny_target
 
 K = 3
 BATCH = 3
@@ -33,12 +33,12 @@ def request(seed: int, length: int) -> list[int]:
     return torch.randint(3, models.TINY_VOCAB, (length,), generator=g).tolist()
 
 
-def context(target, drafter, monitor):
+def context(target, drafter, monitor, **options):
     stops = models.stop_token_ids(target)
-    return engine.Context(target=target, drafter=drafter, k=K,
+    return phases.Context(target=target, drafter=drafter, k=K,
                           stop_ids=torch.tensor(stops, dtype=torch.long), hooks=(monitor,),
-                          stats=engine.Stats(), max_position=models.context_length(target) - 1,
-                          stop_tuple=tuple(stops))
+                          max_position=models.context_length(target) - 1,
+                          stop_tuple=tuple(stops), options=options)
 
 
 class Requests:
@@ -70,17 +70,34 @@ class Requests:
             self.checked.add(rid)
 
 
-class EngineMachine(RuleBasedStateMachine):
+class Machine(RuleBasedStateMachine):
+    """What both machines share: a tiny target under a strict Monitor, the run's context
+    and state, the submitted requests."""
+
     def __init__(self):
         super().__init__()
         self.target = tiny_target("llama")
         self.monitor = invariants.Monitor(mode="strict")
         self.ctx = context(self.target, drafters.NGramDrafter(), self.monitor)
+        self.state = phases.State()
         self.reqs = Requests(self.target)
+        self.done: list = []
+
+    @invariant()
+    def finished_outputs_equal_the_reference(self):
+        self.reqs.check_outputs()
+
+    def teardown(self):
+        self.monitor.check()
+
+
+class EngineMachine(Machine):
+    def __init__(self):
+        super().__init__()
+        self.eqspec = strategies.get("eqspec")
         self.waiting: deque = deque()
         self.active: list = []
         self.batch = None
-        self.done: list = []
 
     @rule(seed=st.integers(0, 50), length=st.integers(1, MAX_LEN), budget=st.integers(1, MAX_BUDGET))
     def submit(self, seed, length, budget):
@@ -91,14 +108,15 @@ class EngineMachine(RuleBasedStateMachine):
     def start_batch(self):
         take = [self.waiting.popleft() for _ in range(min(BATCH, len(self.waiting)))]
         self.active = take
-        self.ctx.batch_index = 0
-        self.batch = engine.prefill(self.ctx, [self.reqs.prompts[r] for r in take], take,
-                                    [self.reqs.budgets[r] for r in take])
+        self.state.batch_index = 0
+        self.batch = phases.prefill(self.ctx, self.state, [self.reqs.prompts[r] for r in take],
+                                    take, [self.reqs.budgets[r] for r in take])
 
     @precondition(lambda self: self.batch is not None)
     @rule()
     def step(self):
-        self.batch = engine.step(self.ctx, self.batch, self.done)
+        self.batch = phases.step(self.ctx, self.state, self.batch, self.done,
+                                 self.eqspec.after_step)
         for row_ids, output, generated in self.done:
             for r, out, g in zip(row_ids.tolist(), output.tolist(), generated.tolist()):
                 self.reqs.finish(r, out[:g])
@@ -112,30 +130,18 @@ class EngineMachine(RuleBasedStateMachine):
         states = list(self.waiting) + self.active + list(self.reqs.outputs)
         assert sorted(states) == list(range(len(self.reqs.prompts)))
 
-    @invariant()
-    def finished_outputs_equal_the_reference(self):
-        self.reqs.check_outputs()
 
-    def teardown(self):
-        self.monitor.check()
-
-
-class PoolMachine(RuleBasedStateMachine):
+class PoolMachine(Machine):
     """EXSPEC's pool: requests join the waiting queue at any time, not only at the start."""
 
     def __init__(self):
         super().__init__()
-        self.target = tiny_target("llama")
-        self.monitor = invariants.Monitor(mode="strict")
-        self.ctx = context(self.target, drafters.NGramDrafter(), self.monitor)
-        self.ctx.stats.grouped_steps = 0
-        self.reqs = Requests(self.target)
+        self.state.stats.grouped_steps = 0
         # the pool is sized for the largest request the rules can submit
         cap = [request(0, MAX_LEN)]
         self.pool = exspec.Pool(self.ctx, cap * 1, [MAX_BUDGET], 2 * BATCH, torch.device("cpu"))
         self.pool.prompts, self.pool.budget_list, self.pool.waiting = self.reqs.prompts, self.reqs.budgets, deque()
         self.tcache = specdec.cache.new_cache(self.target, self.pool.compute_capacity)
-        self.done: list = []
         self.reusable = None
         self.returned = 0
 
@@ -146,7 +152,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool.waiting and len(self.pool.active()) < self.pool.size)
     @rule()
     def admit(self):
-        exspec.admit(self.ctx, self.pool)
+        exspec.admit(self.ctx, self.state, self.pool)
         self.reusable = None
 
     @precondition(lambda self: self.pool.active())
@@ -154,12 +160,12 @@ class PoolMachine(RuleBasedStateMachine):
     def step(self):
         rows, grouped, reuse = exspec.schedule(self.pool, BATCH, self.reusable)
         batch = exspec.build(self.pool, rows, reuse, self.tcache, None)
-        self.ctx.profile = exspec.PROFILE if grouped else exspec.FALLBACK_PROFILE
-        engine.emit(self.ctx, "realign", batch)
-        spec = engine.speculate(self.ctx, batch)
-        host = engine.sync(self.ctx, batch, spec)
-        exspec.write_back(self.ctx, self.pool, rows, batch, spec, host)
-        engine.retire(batch, host, self.done)
+        self.state.profile = exspec.PROFILE if grouped else exspec.FALLBACK_PROFILE
+        phases.emit(self.ctx, self.state, "realign", batch)
+        spec = phases.speculate(self.ctx, self.state, batch)
+        host = phases.sync(self.ctx, self.state, batch, spec)
+        exspec.write_back(self.ctx, self.state, self.pool, rows, batch, spec, host)
+        phases.retire(batch, host, self.done)
         same = len(set(host.committed)) == 1 and not any(host.finished)
         self.reusable = rows if grouped and same else None
 
@@ -178,13 +184,6 @@ class PoolMachine(RuleBasedStateMachine):
         states = s["waiting"] + s["active"] + s["finished"]
         assert sorted(states) == list(range(len(self.reqs.prompts)))
         assert set(self.reqs.outputs) <= set(s["finished"])
-
-    @invariant()
-    def finished_outputs_equal_the_reference(self):
-        self.reqs.check_outputs()
-
-    def teardown(self):
-        self.monitor.check()
 
 
 TestEngineMachine = EngineMachine.TestCase

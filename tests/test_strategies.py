@@ -1,8 +1,9 @@
-"""Specification of the holes and exspec strategies: every output equals batch-1 greedy
-decoding and every view satisfies the invariants under the strict Monitor, on every tiny
-family; plus what is specific to each (holes: no KV gather below the threshold,
-compaction above it, sliding windows over holes; exspec: grouping, window refill,
-fallback, submission order, conservation of requests)."""
+"""Specification of the strategies beyond EQSPEC (whose grid is tests/test_engine.py):
+every output equals batch-1 greedy decoding and every view satisfies the invariants under
+the strict Monitor, on every tiny family; the edge cases, for every registered strategy;
+plus what is specific to each (holes: no KV gather below the threshold, compaction above
+it, sliding windows over holes; exspec: grouping, window refill, fallback, submission
+order, conservation of requests)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import invariants
 import specdec
 from conftest import tiny_pair
 from specdec import cache as cache_mod
-from specdec import drafters, models
+from specdec import drafters, layout, models
+from specdec import strategies as registry
 from specdec.strategies import exspec as exspec_mod
 from specdec.strategies import holes as holes_mod
-from strategies import MIXED_LENGTHS, corrupted, make_drafter, random_prompts
+from harness import MIXED_LENGTHS, corrupted, make_drafter, random_prompts
 
-STRATEGIES = ("holes", "exspec")
+#: every registered strategy (edge cases), and those besides EQSPEC (the grid)
+ALL = registry.names()
+STRATEGIES = tuple(s for s in ALL if s != "eqspec")
 NEW = 16  # new tokens per row in the equivalence grid
 LENGTHS = MIXED_LENGTHS[:5]  # 1, 60, 7, 33, 2: mixed, the longest beyond mistral's window
 _REF: dict = {}
@@ -66,7 +70,7 @@ def test_equals_batch_1_greedy_under_the_strict_monitor(family, strategy, batch_
 
 # -- edge cases (every strategy) -----------------------------------------------------------
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL)
 def test_row_that_stops_at_its_first_new_token(strategy):
     target, draft = tiny_pair("llama")
     prompts = random_prompts((5, 12, 30), models.TINY_VOCAB, seed=7)
@@ -80,7 +84,7 @@ def test_row_that_stops_at_its_first_new_token(strategy):
         assert res.sequences == ref
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL)
 def test_max_new_tokens_one(strategy):
     target, draft = tiny_pair("gpt2")
     prompts = random_prompts((1, 8, 30), models.TINY_VOCAB, seed=3)
@@ -90,7 +94,7 @@ def test_max_new_tokens_one(strategy):
         assert res.sequences == ref and all(len(s) == 1 for s in res.sequences)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL)
 def test_batch_larger_than_prompt_count(strategy):
     target, draft = tiny_pair("mistral")
     prompts = random_prompts((3, 50, 17), models.TINY_VOCAB, seed=4)
@@ -100,7 +104,7 @@ def test_batch_larger_than_prompt_count(strategy):
     assert res.sequences == ref
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL)
 def test_pad_equal_to_eos_and_eos_inside_prompt(strategy):
     target, draft = tiny_pair("qwen3")
     stop = models.stop_token_ids(target)[0]
@@ -114,7 +118,7 @@ def test_pad_equal_to_eos_and_eos_inside_prompt(strategy):
     assert res.sequences == ref
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL)
 def test_nothing_is_committed_after_a_stop_token(strategy):
     target, _ = tiny_pair("glm4")
     prompts = random_prompts((4, 15), models.TINY_VOCAB, seed=11)
@@ -206,7 +210,8 @@ def test_holes_capacity_compaction_when_the_cache_is_full(monkeypatch):
     """With the threshold unreachable and a cache sized for EQSPEC, compaction is forced."""
     target, _ = tiny_pair("gpt2")
     prompts, ref = reference("gpt2")
-    monkeypatch.setattr(holes_mod, "capacity", lambda ctx, w, mb: w + mb + ctx.k + 1)
+    monkeypatch.setattr(holes_mod.STRATEGY, "capacity",
+                        lambda ctx, w, mb: layout.contiguous_capacity(w, mb, ctx.k))
     res = run(target, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)), k=4,
               batch_size=3, max_new_tokens=NEW, hole_threshold=1.0)
     assert res.sequences == ref and res.stats.compactions > 0
@@ -242,8 +247,11 @@ class WindowHoles:
             self.seen |= has_holes(torch.cat([torch.ones_like(tail[:, :1]), tail], dim=1))
 
 
-def test_holes_sliding_window_beyond_the_window(monkeypatch):
-    target, draft = tiny_pair(models.SLIDING_FAMILY)
+@pytest.mark.parametrize("family", [models.SLIDING_FAMILY, models.HYBRID_FAMILY])
+def test_holes_sliding_window_beyond_the_window(monkeypatch, family):
+    """Every layer sliding (mistral), or sliding layers mixed with full ones (gemma3: one
+    position mask per layer type)."""
+    target, draft = tiny_pair(family)
     window = target.config.sliding_window
     prompts = random_prompts((5, 30, 12, 40), models.TINY_VOCAB, seed=2)
     new = 40  # every row ends beyond the window
@@ -254,12 +262,19 @@ def test_holes_sliding_window_beyond_the_window(monkeypatch):
         res = run(target, prompts, "holes", drafter=drafter, k=4, batch_size=4,
                   max_new_tokens=new, hole_threshold=1.0, hooks=[rec])
         assert res.sequences == ref and rec.seen and res.stats.compactions == 0
-    # control: the slot-based mask Hugging Face would build diverges on the same run
-    monkeypatch.setattr(cache_mod, "position_mask", lambda model, mask, *a: mask.long())
-    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)),
-                           k=4, batch_size=4, max_new_tokens=new, strategy="holes",
-                           hole_threshold=1.0)
-    assert res.sequences != ref
+    # controls: the slot-based mask Hugging Face would build diverges on the same run; so
+    # does, on the hybrid family, the window applied to its full-attention layers too
+    position_mask = cache_mod.position_mask
+    wrong = [lambda model, mask, *a: mask.long()]
+    if cache_mod.layer_types(target) is not None:
+        wrong.append(lambda model, mask, kpos, qpos, win: {
+            t: position_mask(model, mask, kpos, qpos, win) for t in cache_mod.layer_types(model)})
+    for masks in wrong:
+        monkeypatch.setattr(cache_mod, "position_masks", masks)
+        res = specdec.generate(target, prompts, k=4, batch_size=4, max_new_tokens=new,
+                               drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)),
+                               strategy="holes", hole_threshold=1.0)
+        assert res.sequences != ref
 
 
 def test_holes_refuses_sliding_windows_it_cannot_mask():
@@ -269,9 +284,10 @@ def test_holes_refuses_sliding_windows_it_cannot_mask():
         specdec.generate(model, [[5, 6, 7]], strategy="holes", max_new_tokens=2)
 
 
-def test_holes_eager_attention_sliding_window():
+@pytest.mark.parametrize("family", [models.SLIDING_FAMILY, models.HYBRID_FAMILY])
+def test_holes_eager_attention_sliding_window(family):
     """The additive float form of the position mask (eager attention)."""
-    model = models.tiny(models.SLIDING_FAMILY)
+    model = models.tiny(family)
     model.config._attn_implementation = "eager"
     prompts = random_prompts((30, 9), models.TINY_VOCAB, seed=6)
     ref = specdec.reference_generate(model, prompts, max_new_tokens=24)

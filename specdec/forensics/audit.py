@@ -1,17 +1,18 @@
 """``specdec audit``: which batched decoding engines stay exact, and where the others break.
 
 On one model and one prompt set it runs batched standard decoding, Hugging Face's batched
-``generate`` (left padding), the three correct speculative strategies (EQSPEC, EXSPEC,
-holes) and every known-bad reproduction (``known_bad.KNOWN_BAD``). Correct speculative
-engines run under a strict Monitor (a violation stops that engine and is reported);
-known-bad ones under a recording Monitor, so their whole output is seen. Every engine's ids
-are judged by the output oracle ``invariants.compare_outputs`` against batch-1 greedy
-decoding, calibrated by default (``tolerance=None``: a divergence is a near-tie only when
-both tokens lie within the spread the model's own dtype produces at that prefix, measured
-in the engine's batch shape among others; a number gives the absolute rule). Overruns
-(output exact up to the reference's stop token, then more tokens) are counted apart from
-the other desyncs. The report states the dtype and the rule, and keeps every near-tie's
-and desync's evidence (margin, gaps, spread, in logits and in ulps) in report.json.
+``generate`` (left padding), every registered speculative strategy
+(``specdec.strategies.names()``) and every known-bad reproduction
+(``known_bad.KNOWN_BAD``). Correct speculative engines run under a strict Monitor (a
+violation stops that engine and is reported); known-bad ones under a recording Monitor, so
+their whole output is seen. Every engine's ids are judged by the output oracle
+``invariants.compare_outputs`` against batch-1 greedy decoding, calibrated by default
+(``tolerance=None``: a divergence is a near-tie only when both tokens lie within the spread
+the model's own dtype produces at that prefix, measured in the engine's batch shape among
+others; a number gives the absolute rule). Overruns (output exact up to the reference's
+stop token, then more tokens) are counted apart from the other desyncs. The report states
+the dtype and the rule, and keeps every near-tie's and desync's evidence (margin, gaps,
+spread, in logits and in ulps) in report.json.
 
 The report (``Report``) prints as a table; ``write(dir)`` saves report.md, report.json and
 two PNG figures. Engines finish one at a time: an interrupt (Ctrl-C) keeps what finished.
@@ -26,15 +27,31 @@ from pathlib import Path
 
 import torch
 
-CORRECT = ("standard", "hf_generate", "eqspec", "exspec", "holes")
+from .. import strategies
+from .plots import phase_shares, save, stacked_phase_shares
+
 #: engines that are no speculative loop (one token per row per forward, no Monitor)
 PLAIN = ("standard", "hf_generate")
+
+
+def correct_names() -> tuple[str, ...]:
+    """The engines expected to be exact: batched standard decoding, Hugging Face's batched
+    ``generate`` and every strategy."""
+    return PLAIN + strategies.names()
 
 
 def engine_names() -> tuple[str, ...]:
     from .known_bad import KNOWN_BAD
 
-    return CORRECT + tuple(KNOWN_BAD)
+    return correct_names() + tuple(KNOWN_BAD)
+
+
+def check_engines(engines: list) -> list:
+    """``engines`` if every name is known, else ValueError listing the known ones."""
+    unknown = [e for e in engines if e not in engine_names()]
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(engine_names())}")
+    return engines
 
 
 @dataclass
@@ -140,33 +157,13 @@ def _plots(report: Report, out: Path) -> None:
     ax.set_xlabel("tokens / s")
     ax.set_ylabel("exact match vs batch-1 greedy (%)")
     ax.set_ylim(-5, 105)
-    ax.set_title("Throughput vs exactness")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "exactness.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, out / "exactness.png", title="Throughput vs exactness", legend_size=8)
 
     rows = [e for e in report.engines if e.phase_shares]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4.5))
-    bottom = [0.0] * len(rows)
-    for phase in ("prefill", "draft", "verify", "commit", "realign", "checks"):
-        vals = [e.phase_shares.get(phase, 0.0) for e in rows]
-        ax.bar(range(len(rows)), vals, bottom=bottom, label=phase)
-        bottom = [a + b for a, b in zip(bottom, vals)]
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([e.name for e in rows], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("share of engine time")
-    ax.set_title("Phase shares")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=110)
-    plt.close(fig)
-
-
-def _shares(seconds: dict) -> dict:
-    total = sum(seconds.values()) or 1.0
-    return {p: v / total for p, v in seconds.items()}
+    stacked_phase_shares(out / "phases.png", [e.name for e in rows], [e.phase_shares for e in rows],
+                         ("prefill", "draft", "verify", "commit", "realign", "checks"),
+                         ylabel="share of engine time", width_per_bar=0.8, min_width=6,
+                         label_size=7, rotation=30)
 
 
 def _classify(comparison):
@@ -214,10 +211,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
     from .. import drafters, engine, reference
     from .known_bad import KNOWN_BAD, generate_known_bad
 
-    engines = list(engines or engine_names())
-    unknown = [e for e in engines if e not in engine_names()]
-    if unknown:
-        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(engine_names())}")
+    engines = check_engines(list(engines or engine_names()))
     drafter_factory = drafter_factory or drafters.NGramDrafter
     if report is None:
         report = Report(model_name, len(ids), {"batch_size": batch_size, "k": k,
@@ -232,7 +226,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
         progress(1)
     standard_tps = None
     for name in engines:
-        correct = name in CORRECT
+        correct = name in correct_names()
         rep = EngineReport(name=name, expected_correct=correct,
                            description=KNOWN_BAD.get(name, "correct engine"))
         mon = invariants.Monitor(mode="strict", raise_on_violation=correct,
@@ -270,7 +264,7 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             rep.speedup_vs_standard = rep.tokens_per_s / standard_tps
         if stats is not None:
             rep.acceptance = stats.acceptance
-            rep.phase_shares = _shares(stats.seconds)
+            rep.phase_shares = phase_shares(stats.seconds)
         t0 = time.perf_counter()
         comparison = invariants.compare_outputs(
             target, ids, seqs, ref, max_new_tokens=max_new_tokens, tolerance=tolerance,

@@ -44,12 +44,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from invariants.view import ForwardRecord, StepView
+from invariants.view import ForwardRecord
 
 from .. import acceptance, layout
 from ..batch import PAD_FILL, RaggedBatch, left_pad
 from ..cache import CACHE_KWARG, SlabCache, crop_dynamic
-from ..engine import Stats, _to_ids
+from .. import validation
+from ..phases import Stats
 from ..models import stop_token_ids as model_stop_ids
 
 KNOWN_BAD = {
@@ -89,20 +90,6 @@ def _model_positions(valid, positions, fault, offset=0):
     return positions
 
 
-class _State:
-    """The naive engine's state (all [B, W] or [B]); the holes layout of DESIGN.md."""
-
-    def __init__(self, tokens, valid, positions, lengths, budgets, max_budget, k):
-        b = tokens.shape[0]
-        self.tokens, self.valid, self.positions, self.lengths = tokens, valid, positions, lengths
-        self.prompt_lengths = lengths.clone()
-        self.budgets = budgets
-        self.generated = torch.zeros(b, dtype=torch.long)
-        self.finished = torch.zeros(b, dtype=torch.bool)
-        self.row_ids = torch.arange(b)
-        self.output = torch.zeros(b, max_budget + k + 1, dtype=torch.long)
-
-
 def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=32,
                        stop_token_ids=None, hooks=(), tokenizer=None, batch_size=None):
     """Run the naive engine with ``fault`` (a key of ``KNOWN_BAD``, or None for the exact
@@ -110,12 +97,17 @@ def generate_known_bad(fault, target, prompts, *, drafter, k=4, max_new_tokens=3
     Returns (sequences, Stats)."""
     if fault is not None and fault not in KNOWN_BAD:
         raise ValueError(f"unknown known-bad engine {fault!r}; expected one of {list(KNOWN_BAD)}")
-    ids = _to_ids(prompts, tokenizer)
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stop_token_ids = validation.request(
+        target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    k = validation.integer(k, "k (drafts per step)", minimum=0)
+    hooks = validation.hooks(hooks)
+    validation.drafter(drafter)
+    if hasattr(drafter, "check_compatible"):
+        drafter.check_compatible(target)
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
-    size = len(ids) if batch_size is None else int(batch_size)
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    size = len(ids) if batch_size is None else validation.integer(batch_size, "batch_size", minimum=1)
     seqs, stats = [], Stats()
     for index, start in enumerate(range(0, len(ids), size)):
         out = _run_batch(fault, target, ids[start : start + size], start, index, drafter=drafter,
@@ -133,9 +125,15 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
     check_stops = stop_t if fault != "keep_after_stop" else stop_t[:0]
     tokens, valid, positions, lengths = left_pad(ids)
     b, w = tokens.shape
-    st = _State(tokens, valid, positions, lengths,
-                torch.full((b,), max_new_tokens, dtype=torch.long), max_new_tokens, k)
-    st.row_ids = st.row_ids + row_offset
+    # the naive engine's state, in the holes layout of DESIGN.md; its cache is the
+    # DynamicCache below (the batch's SlabCache is a placeholder the drafters never use)
+    st = RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+        prompt_lengths=lengths.clone(), budgets=torch.full((b,), max_new_tokens, dtype=torch.long),
+        generated=torch.zeros(b, dtype=torch.long), finished=torch.zeros(b, dtype=torch.bool),
+        row_ids=torch.arange(b) + row_offset,
+        output=torch.zeros(b, layout.output_width(max_new_tokens, k), dtype=torch.long),
+        target_cache=SlabCache(1, 1))
     cache = DynamicCache()
     step_no = 0
     results: dict = {}
@@ -144,12 +142,9 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         if not hooks:
             return
         widths = tuple(layer.get_seq_length() for layer in cache.layers) or (0,) * 1
-        view = StepView(
-            step=step_no, phase=phase, profile="holes", k=k, tokens=st.tokens, valid=st.valid,
-            positions=_model_positions(st.valid, st.positions, fault), lengths=st.lengths,
-            prompt_lengths=st.prompt_lengths, budgets=st.budgets, generated=st.generated,
-            finished=st.finished, row_ids=st.row_ids, output=st.output,
-            stop_token_ids=tuple(stops), cache_widths=widths,
+        view = st.view(
+            step=step_no, phase=phase, profile="holes", k=k, stop_token_ids=tuple(stops),
+            positions=_model_positions(st.valid, st.positions, fault), cache_widths=widths,
             cache_batch_sizes=tuple(layer.keys.shape[0] if getattr(layer, "keys", None) is not None
                                     and layer.keys.numel() else b for layer in cache.layers) or (b,),
             model=target,
@@ -166,14 +161,14 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         emit("prefill", forward=ForwardRecord(tokens[:, : w - 1], pos, given, 0))
     else:
         emit("prefill")
-    drafter.prefill(_ragged(st))
+    drafter.prefill(st)
 
     while not bool(st.finished.all()):
         w = st.tokens.shape[1]
         active = ~st.finished
         remaining = torch.where(active, st.budgets - st.generated, 1)
         limit = torch.where(active, layout.draft_limit(layout.TORCH, k, remaining), 0)
-        drafts = drafter.propose(_ragged(st), k)
+        drafts = drafter.propose(st, k)
         emit("draft", drafts=drafts, draft_limit=limit)
 
         i = torch.arange(k + 1)[None, :]
@@ -221,9 +216,7 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
             if rows.numel() == 0:
                 break
             cache.batch_select_indices(rows)
-            for name in ("tokens", "valid", "positions", "lengths", "prompt_lengths", "budgets",
-                         "generated", "finished", "row_ids", "output"):
-                setattr(st, name, getattr(st, name).index_select(0, rows))
+            st = st.select(rows)
             chosen, committed, active = chosen.index_select(0, rows), committed.index_select(0, rows), active.index_select(0, rows)
             b = rows.numel()
         m = committed
@@ -242,19 +235,11 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         ext_valid = ext_valid | kept_draft
         ext_valid[:, new_w - 1] = m > 0  # finished rows keep their old pending slot
         ext_tokens = torch.where(ext_valid, ext_tokens, PAD_FILL)
-        st.lengths = st.lengths + m
-        st.tokens, st.valid = ext_tokens, ext_valid
+        lengths = st.lengths + m
         # explicit positions: valid slots before each slot; the pending token's position is
         # the engine's own count of committed tokens (they agree unless KV was cropped)
-        st.positions = torch.where(ext_valid, torch.cumsum(ext_valid.long(), 1) - 1, 0)
-        st.positions[:, -1] = torch.where(ext_valid[:, -1], st.lengths - 1, 0)
+        ext_pos = torch.where(ext_valid, torch.cumsum(ext_valid.long(), 1) - 1, 0)
+        ext_pos[:, -1] = torch.where(ext_valid[:, -1], lengths - 1, 0)
+        st = st.replace(tokens=ext_tokens, valid=ext_valid, positions=ext_pos, lengths=lengths)
         emit("realign")
     return [results[row_offset + r] for r in range(len(ids))]
-
-
-def _ragged(st: _State) -> RaggedBatch:
-    """A RaggedBatch view of the naive state for the drafters."""
-    return RaggedBatch(tokens=st.tokens, valid=st.valid, positions=st.positions,
-                       lengths=st.lengths, prompt_lengths=st.prompt_lengths, budgets=st.budgets,
-                       generated=st.generated, finished=st.finished, row_ids=st.row_ids,
-                       output=st.output, target_cache=SlabCache(1, 1))

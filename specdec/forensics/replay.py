@@ -9,6 +9,11 @@ A *run spec* is a JSON-able dict that fully describes a decoding run::
      "strategy": "eqspec", "k": 4, "batch_size": 8, "max_new_tokens": 16,
      "stop_token_ids": null | [ids], "known_bad": null | NAME, "mutant": null | NAME}
 
+Every field is checked by ``specdec.validation.run_spec`` before anything runs (types,
+known strategies, drafters, known-bad engines and mutants, no unknown or inapplicable
+field), then by the same checks as ``specdec.generate`` once the model is loaded
+(vocabulary, budget within the context).
+
 ``run_spec(spec)`` runs it under a strict recording ``Monitor(run=spec)``, so every
 violation's trace carries the spec; ``replay(trace)`` re-runs the spec stored in a trace
 (an ``InvariantViolation`` JSON, or a proofs counterexample) and says whether the same
@@ -53,9 +58,10 @@ def run_spec(spec: dict, *, target=None) -> RunResult:
     """Run the decoding described by ``spec`` under a strict, recording Monitor."""
     import invariants
 
-    from .. import engine, models, mutants
-    from .known_bad import generate_known_bad
+    from .. import engine, models, mutants, strategies, validation
+    from .known_bad import KNOWN_BAD, generate_known_bad
 
+    validation.run_spec(spec, strategy_names=strategies.names(), known_bad_names=tuple(KNOWN_BAD))
     json.dumps(spec)  # a spec must be JSON-able: it goes into traces
     if target is None:
         target = models.resolve(spec.get("model", "default"))[0]
@@ -67,7 +73,8 @@ def run_spec(spec: dict, *, target=None) -> RunResult:
     ctx = mutants.apply(mutant) if mutant else contextlib.nullcontext()
     with ctx, torch.no_grad():
         if spec.get("known_bad"):
-            seqs, _ = generate_known_bad(spec["known_bad"], target, spec["prompts"], **common)
+            seqs, _ = generate_known_bad(spec["known_bad"], target, spec["prompts"],
+                                         batch_size=spec.get("batch_size"), **common)
         else:
             seqs = engine.generate(target, spec["prompts"], strategy=spec.get("strategy", "eqspec"),
                                    batch_size=spec.get("batch_size", 8), **common).sequences
@@ -78,26 +85,54 @@ def _signature(v) -> tuple:
     return (v.invariant, v.step, v.phase, tuple(v.row_ids))
 
 
+TRACE_RULE = ("a trace is a JSON object: an InvariantViolation trace (with 'invariant', "
+              "'step', 'phase' and its 'run' spec) or a proofs counterexample")
+
+
+def load_trace(trace) -> tuple[dict, str]:
+    """(the trace object, its JSON text) from a path, JSON text (starting with ``{``) or a
+    dict; refuses a missing file, text that is not JSON and JSON that is not a trace."""
+    from .. import validation
+
+    if isinstance(trace, dict):
+        text, where = json.dumps(trace), "the trace"
+    elif isinstance(trace, str) and trace.lstrip().startswith(("{", "[")):
+        text, where = trace, "the trace text"
+    elif isinstance(trace, (str, Path)):
+        text, where = validation.read_text(trace, "trace file"), f"trace file {trace}"
+    else:
+        raise TypeError(f"{TRACE_RULE}; got {validation.describe(trace)}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                         f"{TRACE_RULE}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} holds a JSON {type(data).__name__}, not an object; {TRACE_RULE}")
+    is_proof = data.get("kind") == "proof-counterexample" or "counterexample" in data
+    if not is_proof and not {"invariant", "step", "phase"} <= set(data):
+        raise ValueError(f"{where} is not a trace: it lacks "
+                         f"{sorted({'invariant', 'step', 'phase'} - set(data))}; {TRACE_RULE}")
+    return data, text
+
+
 def replay(trace) -> tuple[bool, str]:
     """Re-run the spec stored in ``trace`` (path, JSON text or dict); returns
-    (same violation reproduced, a human-readable report)."""
+    (same violation reproduced, a human-readable report). Bad input raises ValueError or
+    TypeError naming the rule (``load_trace``, ``specdec.validation.run_spec``)."""
     import invariants
 
-    if isinstance(trace, (str, Path)) and Path(trace).exists():
-        text = Path(trace).read_text()
-    elif isinstance(trace, str):
-        text = trace
-    else:
-        text = json.dumps(trace)
-    data = json.loads(text)
+    data, text = load_trace(trace)
     if data.get("kind") == "proof-counterexample" or "counterexample" in data:
-        from proofs.replay import replay_counterexample  # a z3 counterexample
+        from .counterexample import replay_counterexample  # a z3 counterexample
 
         rep = replay_counterexample(data)
         return bool(rep.diverged or rep.violations), str(rep)
     saved = invariants.InvariantViolation.from_json(text)
     spec = saved.trace.get("run") or {}
-    if not spec.get("prompts"):
+    if not isinstance(spec, dict):
+        raise ValueError(f"the trace's 'run' must be a run spec object, got {spec!r}")
+    if "prompts" not in spec:
         return False, ("this trace has no run spec (Monitor(run=...)) to replay: record runs "
                        "with specdec.forensics.replay.run_spec or pass run= to the Monitor")
     result = run_spec(spec)

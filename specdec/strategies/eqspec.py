@@ -15,6 +15,7 @@ import torch
 
 from .. import layout
 from ..batch import PAD_FILL, RaggedBatch, RowsLeaving, rows_leaving
+from . import FixedBatches
 
 
 def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_width: int,
@@ -43,10 +44,13 @@ def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tens
     Mutates the caches in place and returns the new batch (``B'`` rows, in
     ``leaving.order``).
     """
-    sel = (lambda t: t) if leaving is None else (lambda t: t.index_select(0, leaving.order))  # noqa: E731
-    lengths, m = sel(batch.lengths), sel(committed)
-    src_tokens, src_cache, valid, positions = plan(lengths, m, batch.width, new_width, k)
-    ext = torch.cat([sel(batch.tokens), sel(predictions)], dim=1)
+    order = None if leaving is None else leaving.order
+    kept = batch.select(order)
+    if order is not None:
+        predictions, committed = predictions.index_select(0, order), committed.index_select(0, order)
+    src_tokens, src_cache, valid, positions = plan(kept.lengths, committed, batch.width,
+                                                   new_width, k)
+    ext = torch.cat([kept.tokens, predictions], dim=1)
     tokens = torch.where(valid, ext.gather(1, src_tokens), PAD_FILL)
     for c in (batch.target_cache, batch.draft_cache):
         if c is None:
@@ -54,29 +58,24 @@ def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tens
         if leaving is not None:  # finished rows leave: only the rows filling their places move
             c.keep_rows(leaving.moved_to, leaving.moved_from, leaving.kept)
         c.gather_slots(src_cache)
-    return RaggedBatch(
-        tokens=tokens, valid=valid, positions=positions,
-        lengths=layout.new_length(lengths, m),
-        prompt_lengths=sel(batch.prompt_lengths), budgets=sel(batch.budgets),
-        generated=sel(batch.generated), finished=sel(batch.finished),
-        row_ids=sel(batch.row_ids), output=sel(batch.output),
-        target_cache=batch.target_cache, draft_cache=batch.draft_cache,
-    )
+    return kept.replace(tokens=tokens, valid=valid, positions=positions,
+                        lengths=layout.new_length(kept.lengths, committed))
 
 
-# -- the engine's strategy interface (see specdec/engine.py) ----------------------------
+class EqSpec(FixedBatches):
+    """Realign every step: finished rows leave, the rest right-aligned at the new minimal
+    width (contiguous profile, DESIGN.md I2)."""
 
-#: the layout profile of every view (DESIGN.md I2)
-PROFILE = "contiguous"
+    name = "eqspec"
+    profile = "contiguous"
+
+    def capacity(self, ctx, width: int, max_budget: int) -> int:
+        return layout.contiguous_capacity(width, max_budget, ctx.k)
+
+    def after_step(self, ctx, state, batch: RaggedBatch, spec, host) -> RaggedBatch:
+        """Drop the finished rows and right-align the rest at the new minimal width."""
+        leaving = rows_leaving(batch.finished, host.finished)
+        return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, ctx.k)
 
 
-def capacity(ctx, width: int, max_budget: int) -> int:
-    """Cache slots a batch needs: at most ``width + max_budget - 1`` real tokens are
-    cached before the last verify, which adds ``k + 1``."""
-    return width + max_budget + ctx.k + 1
-
-
-def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
-    """Drop the finished rows and right-align the rest at the new minimal width."""
-    leaving = rows_leaving(batch.finished, host.finished)
-    return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, ctx.k)
+STRATEGY = EqSpec()

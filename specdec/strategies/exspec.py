@@ -50,7 +50,7 @@ Refill. When rows finish, their pool rows are freed and waiting requests are adm
 submission order: one prefill forward over all admitted prompts (left-padded, contiguous
 profile, emitted as a ``prefill`` view), then a scatter into their pool rows
 (``layout.compact_dest_slot`` with padding 0: slot = position). Outputs are returned in
-submission order (``engine.collect``). Every request is in exactly one of waiting,
+submission order (``phases.collect``). Every request is in exactly one of waiting,
 active, finished (``Pool.state``; hooks see it in ``view.info["pool"]``).
 
 Views. A step's views carry the compute batch with profile ``grouped`` (cases 1, 2) or
@@ -67,14 +67,18 @@ from collections import deque
 import torch
 
 from .. import cache as cache_mod
-from .. import layout
-from ..batch import PAD_FILL, RaggedBatch, host_rows
+from .. import layout, validation
+from ..batch import PAD_FILL, RaggedBatch, host_rows, take_rows
+from ..phases import emit, prefill, retire, speculate, sync, timed
+from . import Option, Strategy
 
 #: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
 PROFILE = "grouped"
 FALLBACK_PROFILE = "contiguous"
 #: round-robin rounds a row may wait before the fallback serves it before shorter rows
 PATIENCE = 2
+#: the per-row fields of a request the pool keeps on the device, per pool row
+POOL_FIELDS = ("prompt_lengths", "budgets", "generated", "row_ids", "output")
 
 
 def default_window(batch_size: int) -> int:
@@ -89,9 +93,8 @@ class Pool:
         self.prompts, self.budget_list = prompts, budgets
         self.size = size
         longest = max(len(p) + b for p, b in zip(prompts, budgets))
-        # pool row writes reach position n + k <= longest - 1 + k; the last slot is trash
-        self.capacity = longest + k + 2
-        self.compute_capacity = longest + k  # a verify from width W <= longest - 1
+        self.capacity = layout.pool_capacity(longest, k)  # the last slot is the trash slot
+        self.compute_capacity = layout.pool_compute_capacity(longest, k)
         # host state per pool row
         self.rid = [-1] * size       # request served, -1 when free
         self.n = [0] * size          # its length (prompt + committed)
@@ -104,7 +107,7 @@ class Pool:
         self.tokens = z(size, self.capacity)
         self.lengths, self.prompt_lengths, self.budgets, self.generated = z(size), z(size), z(size), z(size)
         self.row_ids = z(size) - 1
-        self.output = z(size, max(budgets) + k + 1)
+        self.output = z(size, layout.output_width(max(budgets), k))
         self.kv = cache_mod.SlotPool(size, self.capacity)
         self.draft_kv = cache_mod.SlotPool(size, self.capacity) if ctx.drafter.uses_cache else None
 
@@ -121,24 +124,21 @@ class Pool:
                 "finished": list(self.finished)}
 
 
-def admit(ctx, pool: Pool) -> None:
+def admit(ctx, state, pool: Pool) -> None:
     """Admit waiting requests into free pool rows: one prefill, one scatter per cache."""
-    from .. import engine
-
     free = [p for p in range(pool.size) if pool.rid[p] < 0]
     take = min(len(free), len(pool.waiting))
     if not take:
         return
     rows = free[:take]
     reqs = [pool.waiting.popleft() for _ in range(take)]
-    ctx.profile = FALLBACK_PROFILE
-    ctx.batch_index = pool.prefills  # 0 only for the run's first prefill (monitor resets)
+    state.profile = FALLBACK_PROFILE
+    state.batch_index = pool.prefills  # 0 only for the run's first prefill (monitor resets)
     pool.prefills += 1
     for p, r in zip(rows, reqs):  # host bookkeeping first: the prefill view shows it
-        pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), ctx.step
-    batch = engine.prefill(ctx, [pool.prompts[r] for r in reqs], reqs,
-                           [pool.budget_list[r] for r in reqs],
-                           capacity=lambda w, mb: max(w, 1))
+        pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), state.step
+    batch = prefill(ctx, state, [pool.prompts[r] for r in reqs], reqs,
+                    [pool.budget_list[r] for r in reqs], capacity=lambda w, mb: max(w, 1))
     t = time.perf_counter()
     R = host_rows(rows, batch.device)
     dest = layout.compact_dest_slot(layout.TORCH, batch.valid, batch.positions, 0, pool.trash)
@@ -153,7 +153,7 @@ def admit(ctx, pool: Pool) -> None:
     pool.generated[R] = 0
     pool.output[R] = 0
     pool.row_ids[R] = batch.row_ids
-    ctx.stats.seconds["prefill"] += time.perf_counter() - t
+    timed(state, "prefill", t)
 
 
 def schedule(pool: Pool, batch_size: int, reusable: list | None, step: int | None = None):
@@ -202,17 +202,12 @@ def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
             c.crop(cw)
         else:
             pk.load(R, src[:, :cw], c)
-    return RaggedBatch(
-        tokens=tokens, valid=valid, positions=src, lengths=n,
-        prompt_lengths=pool.prompt_lengths.index_select(0, R),
-        budgets=pool.budgets.index_select(0, R), generated=pool.generated.index_select(0, R),
-        finished=torch.zeros(len(rows), dtype=torch.bool, device=dev),
-        row_ids=pool.row_ids.index_select(0, R), output=pool.output.index_select(0, R),
-        target_cache=tcache, draft_cache=dcache,
-    )
+    return RaggedBatch(tokens=tokens, valid=valid, positions=src, lengths=n,
+                       finished=torch.zeros(len(rows), dtype=torch.bool, device=dev),
+                       target_cache=tcache, draft_cache=dcache, **take_rows(pool, R, POOL_FIELDS))
 
 
-def write_back(ctx, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> None:
+def write_back(ctx, state, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> None:
     """Scatter the step's new KV slots, committed tokens and outputs into the pool rows;
     update the host lengths; free the rows that finished."""
     k, dev = ctx.k, batch.device
@@ -231,40 +226,62 @@ def write_back(ctx, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> N
     pool.output[R] = batch.output
     for b, p in enumerate(rows):
         pool.n[p] += host.committed[b]
-        pool.served[p] = ctx.step
+        pool.served[p] = state.step
         if host.finished[b]:
             pool.finished.append(pool.rid[p])
             pool.rid[p] = -1
 
 
-def run(ctx, ids: list, *, batch_size: int, max_new_tokens: int, window: int, done: list) -> None:
+def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: int,
+        done: list) -> None:
     """Decode every prompt of ``ids`` through the pool; finished rows go to ``done``."""
-    from .. import engine
-
     dev = next(ctx.target.parameters()).device
     budgets = [max_new_tokens] * len(ids)
     pool = Pool(ctx, ids, budgets, min(window, len(ids)), dev)
-    ctx.stats.grouped_steps = 0
-    ctx.info = lambda: {"pool": pool.state()}
+    state.stats.grouped_steps = 0
+    state.info = lambda: {"pool": pool.state()}
     tcache = cache_mod.new_cache(ctx.target, pool.compute_capacity)
     dcache = cache_mod.new_cache(ctx.drafter.model, pool.compute_capacity) \
         if ctx.drafter.uses_cache else None
-    admit(ctx, pool)
+    admit(ctx, state, pool)
     reusable = None
     while pool.active():
         t = time.perf_counter()
-        rows, grouped, reuse = schedule(pool, batch_size, reusable, ctx.step)
+        rows, grouped, reuse = schedule(pool, batch_size, reusable, state.step)
         batch = build(pool, rows, reuse, tcache, dcache)
-        ctx.profile = PROFILE if grouped else FALLBACK_PROFILE
-        engine._timed(ctx, "realign", t)
-        engine.emit(ctx, "realign", batch)
-        spec = engine.speculate(ctx, batch)
+        state.profile = PROFILE if grouped else FALLBACK_PROFILE
+        timed(state, "realign", t)
+        emit(ctx, state, "realign", batch)
+        spec = speculate(ctx, state, batch)
         t = time.perf_counter()
-        host = engine.sync(ctx, batch, spec)
-        ctx.stats.grouped_steps += int(grouped)
-        write_back(ctx, pool, rows, batch, spec, host)
-        engine.retire(batch, host, done)
+        host = sync(ctx, state, batch, spec)
+        state.stats.grouped_steps += int(grouped)
+        write_back(ctx, state, pool, rows, batch, spec, host)
+        retire(batch, host, done)
         same = len(set(host.committed)) == 1 and not any(host.finished)
         reusable = rows if grouped and same else None
-        engine._timed(ctx, "realign", t)
-        admit(ctx, pool)
+        timed(state, "realign", t)
+        admit(ctx, state, pool)
+
+
+class ExSpec(Strategy):
+    """A request pool larger than the batch; steps on groups of equal-length rows."""
+
+    name = "exspec"
+    profile = PROFILE  # of grouped steps; admit and the fallback set state.profile
+    options = (Option("window", int, "requests held in the pool (default 2x batch size)"),)
+
+    def check_options(self, options: dict, *, batch_size: int) -> dict:
+        window = validation.integer(options.get("window", default_window(batch_size)),
+                         "window (requests in the pool)", minimum=1)
+        if window < batch_size:
+            raise ValueError(f"window (requests in the pool) must be an integer >= batch_size "
+                             f"= {batch_size}, got {window!r}")
+        return {"window": window}
+
+    def run(self, ctx, state, ids, *, batch_size, max_new_tokens, done):
+        run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+            window=ctx.options["window"], done=done)
+
+
+STRATEGY = ExSpec()

@@ -61,9 +61,12 @@ cache); row order is not kept (``row_ids`` says which request each row serves).
 Sliding-window models. Transformers builds the sliding mask over slot indices, which
 over-restricts the window once holes separate slots from positions. With holes the
 engine and ``ModelDrafter`` pass the position of every mask column
-(``cache.forward(key_positions=...)``) and ``cache.position_mask`` builds the 4-D mask
-from positions (sdpa: bool, eager: additive float; other attention implementations and
-models mixing full and sliding layers are refused up front by ``check_model``).
+(``cache.forward(key_positions=...)``) and ``cache.position_masks`` builds the 4-D mask
+from positions (sdpa: bool, eager: additive float; other attention implementations are
+refused up front by ``check_model``). A model mixing full and sliding layers (Gemma 3)
+gets one such mask per layer type, the full layers' without the window. Every layer
+keeps every slot (``SlabCache`` has no ring buffer), so compaction after the window has
+slid past a hole moves the same slots as on a full-attention model.
 
 Drafters. ``NGramDrafter`` matches on ``RaggedBatch.contiguous_tokens()`` (an int gather
 with the same compaction formula), so no suffix spans a hole. ``ModelDrafter``'s cache has
@@ -73,16 +76,12 @@ and the same compaction apply to it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import cache as cache_mod
-from .. import layout
+from .. import layout, validation
 from ..batch import PAD_FILL, RaggedBatch, compact_sources, rows_leaving
-
-#: the layout profile of every view (DESIGN.md I2)
-PROFILE = "holes"
+from . import FixedBatches, Option
 
 #: default ``hole_threshold`` (measured: see the module docstring)
 DEFAULT_THRESHOLD = 0.5
@@ -100,65 +99,81 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def capacity(ctx, width: int, max_budget: int) -> int:
-    """Cache slots of a batch whose prompts have width ``width``.
-
-    No row exceeds ``longest = width + max_budget`` tokens, and after compaction the width
-    is at most ``longest - 1``. Without compaction the slack share stays at most the
-    threshold ``h``, so the width stays below ``longest / (1 - h)``; a verify adds ``k + 1``.
-    With ``h = 1`` (never compact) the widest batch has ``width + max_budget (k + 1) - 1``
-    slots (every step commits at least one token).
-    """
-    k, h = ctx.k, ctx.hole_threshold
-    longest = width + max_budget
-    never = width + max_budget * (k + 1)
-    cap = never if h >= 1 else min(never, math.ceil(longest / (1 - h)) + k + 1)
-    return max(cap, longest + k + 1)
-
-
-def after_step(ctx, batch: RaggedBatch, spec, host) -> RaggedBatch:
+def after_step(ctx, state, batch: RaggedBatch, spec, host) -> RaggedBatch:
     """Append the step's slots (drafts kept or holed, the new pending token); drop the
     finished rows; compact when the slack passes the threshold or the cache is full."""
     k, dev = ctx.k, batch.device
-    b, w = batch.tokens.shape
+    w = batch.width
     n, m = batch.lengths, spec.committed
     i = torch.arange(k + 1, device=dev)[None, :]
     ext_valid = layout.holes_slot_valid(i, k, m[:, None])
     ext_pos = layout.holes_slot_position(layout.TORCH, i, k, n[:, None], m[:, None])
     pending = spec.predictions.gather(1, (m - 1).clamp(min=0)[:, None])
     ext_tok = torch.where(ext_valid, torch.cat([spec.drafts, pending], dim=1), PAD_FILL)
-    tokens = torch.cat([batch.tokens, ext_tok], dim=1)
-    valid = torch.cat([batch.valid, ext_valid], dim=1)
-    positions = torch.cat([batch.positions, ext_pos], dim=1)
-    lengths = layout.new_length(n, m)
-
     leaving = rows_leaving(batch.finished, host.finished)
-    sel = (lambda t: t) if leaving is None else (lambda t: t.index_select(0, leaving.order))  # noqa: E731
-    tokens, valid, positions, lengths = sel(tokens), sel(valid), sel(positions), sel(lengths)
+    kept = batch.replace(tokens=torch.cat([batch.tokens, ext_tok], dim=1),
+                         valid=torch.cat([batch.valid, ext_valid], dim=1),
+                         positions=torch.cat([batch.positions, ext_pos], dim=1),
+                         lengths=layout.new_length(n, m)).select(
+                             None if leaving is None else leaving.order)
 
     wide = layout.holes_width(w, k)
     caches = [c for c in (batch.target_cache, batch.draft_cache) if c is not None]
     if leaving is not None:  # finished rows leave: only the rows filling their places move
         for c in caches:
             c.keep_rows(leaving.moved_to, leaving.moved_from, leaving.kept)
-    due = layout.compaction_due(wide, host.max_n, ctx.hole_threshold) or not layout.verify_fits(
+    threshold = ctx.options["hole_threshold"]
+    due = layout.compaction_due(wide, host.max_n, threshold) or not layout.verify_fits(
         wide, k, batch.target_cache.slab.capacity)
-    if due:
-        wc = host.max_n
-        src = compact_sources(valid, positions, lengths, wc)
-        j = torch.arange(wc, device=dev)[None, :]
-        pad = layout.new_padding(wc, lengths)[:, None]
-        valid = layout.slot_valid(j, pad)
-        tokens = torch.where(valid, tokens.gather(1, src), PAD_FILL)
-        positions = layout.slot_position(layout.TORCH, j, pad).expand_as(tokens)
-        src_cache = src[:, : layout.cache_width(wc)]
-        for c in caches:
-            c.gather_slots(src_cache)
-        ctx.stats.compactions += 1
-    return RaggedBatch(
-        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
-        prompt_lengths=sel(batch.prompt_lengths), budgets=sel(batch.budgets),
-        generated=sel(batch.generated), finished=sel(batch.finished),
-        row_ids=sel(batch.row_ids), output=sel(batch.output),
-        target_cache=batch.target_cache, draft_cache=batch.draft_cache, holes=not due,
-    )
+    if not due:
+        return kept.replace(holes=True)
+    wc = host.max_n
+    src = compact_sources(kept.valid, kept.positions, kept.lengths, wc)
+    j = torch.arange(wc, device=dev)[None, :]
+    pad = layout.new_padding(wc, kept.lengths)[:, None]
+    valid = layout.slot_valid(j, pad)
+    tokens = torch.where(valid, kept.tokens.gather(1, src), PAD_FILL)
+    src_cache = src[:, : layout.cache_width(wc)]
+    for c in caches:
+        c.gather_slots(src_cache)
+    state.stats.compactions += 1
+    return kept.replace(tokens=tokens, valid=valid, holes=False,
+                        positions=layout.slot_position(layout.TORCH, j, pad).expand_as(tokens))
+
+
+class Holes(FixedBatches):
+    """No copy after a step; rejected drafts become holes; compaction past a threshold."""
+
+    name = "holes"
+    profile = "holes"
+    options = (Option("hole_threshold", float,
+                      f"compact when the reclaimable share of the width passes this "
+                      f"(0..1, default {DEFAULT_THRESHOLD})"),)
+
+    def check_options(self, options: dict, *, batch_size: int) -> dict:
+        return {"hole_threshold": validation.number(options.get("hole_threshold", DEFAULT_THRESHOLD),
+                                         "hole_threshold", 0, 1)}
+
+    def check_models(self, target, drafter) -> None:
+        """Refuse sliding-window setups a position mask cannot serve."""
+        check_model(target)
+        if hasattr(drafter, "model"):
+            check_model(drafter.model)
+
+    def capacity(self, ctx, width: int, max_budget: int) -> int:
+        """Cache slots of a batch whose prompts have width ``width``: below the widest
+        batch the threshold lets through, a verify must fit (``layout.holes_capacity``;
+        with threshold ``h`` about ``(width + max_budget) / (1 - h) + k + 1``)."""
+        widest = layout.widest_before_compaction(width + max_budget, ctx.options["hole_threshold"])
+        return layout.holes_capacity(layout.HOST, width, max_budget, ctx.k, widest)
+
+    def after_step(self, ctx, state, batch, spec, host) -> RaggedBatch:
+        return after_step(ctx, state, batch, spec, host)
+
+    def run(self, ctx, state, ids, *, batch_size, max_new_tokens, done):
+        state.stats.compactions = 0
+        super().run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                    done=done)
+
+
+STRATEGY = Holes()

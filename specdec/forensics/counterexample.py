@@ -22,12 +22,13 @@ expected to diverge or to violate an invariant (a wrong position id, for instanc
 not change the output of a rotary model whose offset is constant along the row, but it
 breaks I3); with ``mutant=None`` (the real layout) it must do neither.
 
-    from proofs.replay import replay_counterexample
+    from specdec.forensics.counterexample import replay_counterexample
     report = replay_counterexample("cex.json")          # the trace's mutant
     report = replay_counterexample("cex.json", mutant=None)   # the real layout
     report.diverged, report.rows, print(report)
 
-This module runs the engine (``specdec.engine``); the proof modules never import it.
+This module drives the engine's phases (``specdec.phases``) with EQSPEC's layout step; it
+lives under forensics because it runs the engine: ``proofs/`` only writes the JSON.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def replay_counterexample(trace, *, mutant=FROM_TRACE, family: str = "llama",
 
     import invariants
     import specdec
-    from specdec import drafters, engine, models, mutants
+    from specdec import drafters, models, mutants, phases, strategies
 
     doc = _load(trace)
     cex = doc.get("counterexample", doc)
@@ -164,23 +165,24 @@ def replay_counterexample(trace, *, mutant=FROM_TRACE, family: str = "llama",
             first_step["committed"] = view.committed.tolist()
 
     dev = next(target.parameters()).device
-    ctx = engine.Context(
-        target=target, drafter=drafter, k=k,
-        stop_ids=torch.zeros(0, dtype=torch.long, device=dev), hooks=(record,),
-        stats=engine.Stats(), max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
-    )
     monitor = invariants.Monitor("strict", raise_on_violation=False)
-    ctx.hooks = (record, monitor)
+    ctx = phases.Context(
+        target=target, drafter=drafter, k=k, stop_ids=torch.zeros(0, dtype=torch.long, device=dev),
+        hooks=(record, monitor), max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
+    )
+    eqspec = strategies.get("eqspec")
     drafter.bind(prompts)
     done: list = []
     error = None
     with mutants.apply(mutant) if mutant else contextlib.nullcontext():
         try:
             with torch.no_grad():
-                engine.run_batch(ctx, prompts, list(range(len(prompts))), budgets, done)
+                phases.run_batch(ctx, phases.State(), prompts, list(range(len(prompts))), budgets,
+                                 done, capacity=lambda w, mb: eqspec.capacity(ctx, w, mb),
+                                 after_step=eqspec.after_step)
         except Exception as e:  # a mutated layout may also crash the engine
             error = f"{type(e).__name__}: {e}"
-    out = engine.collect(done, len(prompts)) if error is None else [None] * len(prompts)
+    out = phases.collect(done, len(prompts)) if error is None else [None] * len(prompts)
     try:
         found = monitor.check()
     except Exception as e:  # noqa: BLE001 - report, do not mask the replay
@@ -209,12 +211,12 @@ def replay_counterexample(trace, *, mutant=FROM_TRACE, family: str = "llama",
 
 
 def main(argv=None) -> int:
-    """``python -m proofs.replay FILE [--mutant NAME|none] [--family F]``: exit 1 when the
-    engine diverges or breaks an invariant (``specdec replay`` can call this for proof
-    counterexamples)."""
+    """``python -m specdec.forensics.counterexample FILE [--mutant NAME|none] [--family F]``:
+    exit 1 when the engine diverges or breaks an invariant (``specdec replay FILE`` runs
+    the trace's own mutant)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m proofs.replay")
+    ap = argparse.ArgumentParser(prog="python -m specdec.forensics.counterexample")
     ap.add_argument("trace")
     ap.add_argument("--mutant", default=FROM_TRACE, help="mutant to apply; 'none': real layout")
     ap.add_argument("--family", default="llama")

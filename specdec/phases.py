@@ -1,0 +1,349 @@
+"""The phases every strategy shares: prefill, then per step draft -> verify -> commit, the
+step's one host sync, and handing finished rows back; hooks after each phase.
+
+A strategy (``specdec/strategies/``) composes these functions into its loop; this module
+imports neither the engine nor any strategy. Two objects travel through every call:
+
+- ``Context``: the per-run constants (models, k, stop ids, hooks, the strategy's resolved
+  options), fixed for the whole ``generate`` call (a frozen dataclass);
+- ``State``: what changes during the run (steps done, the batch index, the layout profile
+  the next views carry, the counters in ``Stats``, the strategy's extra view facts).
+
+After each phase every hook is called as ``hook(phase, view)`` with a read-only
+``invariants.StepView`` (``RaggedBatch.view``); nothing is built when there are no hooks.
+
+Host synchronisation: one small transfer per step (``sync``: which rows finished, the
+longest row, the committed counts, whether any draft lay outside the vocabulary: ``2B + 5``
+integers), needed to size the next tensors; none inside draft, verify, commit or the
+realignment gathers.
+
+Checks while decoding (``validation.py``): ``speculate`` checks each ``propose`` result
+(type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
+verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
+and raises ``ValueError``, so such a step's output is never returned); ``emit`` refuses a
+hook that writes to its view (``validation.HookWatch``, tensor version counters).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from invariants.view import ForwardRecord, StepView
+
+from . import acceptance, layout, validation
+from . import cache as cache_mod
+from .batch import RaggedBatch, left_pad, rows_where
+from .models import vocab_size
+
+PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
+
+Hook = Callable[[str, StepView], None]
+#: ``after_step(ctx, state, batch, spec, host) -> next batch``: a strategy's layout work
+AfterStep = Callable[["Context", "State", RaggedBatch, "Spec", "HostStep"], RaggedBatch]
+#: ``capacity(width, max_budget) -> cache slots`` of a batch whose prompts have ``width``
+Capacity = Callable[[int, int], int]
+
+
+@dataclass
+class Stats:
+    """Counters of one ``generate`` call."""
+
+    steps: int = 0
+    drafted: int = 0  # drafts rows could use (sum of draft limits)
+    accepted: int = 0
+    committed: int = 0
+    # wall seconds per phase, plus "checks": time spent inside hooks
+    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES + ("checks",)})
+    accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
+    # exspec: steps served by a group of equal-length rows (no realignment); else None
+    grouped_steps: int | None = None
+    # holes: compactions run (slack past the threshold or capacity); else None
+    compactions: int | None = None
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / usable drafts (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def group_rate(self) -> float | None:
+        """Share of steps served without realignment (exspec only; None otherwise)."""
+        if self.grouped_steps is None:
+            return None
+        return self.grouped_steps / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "committed": self.committed, "acceptance": self.acceptance,
+                "group_rate": self.group_rate, "compactions": self.compactions,
+                "seconds": dict(self.seconds)}
+
+
+@dataclass(frozen=True)
+class Context:
+    """The per-run constants of one ``generate`` call: nothing here changes during the run
+    (what does is in ``State``)."""
+
+    target: torch.nn.Module
+    drafter: object
+    k: int
+    stop_ids: torch.Tensor  # [S] long
+    hooks: Sequence[Hook]
+    max_position: int
+    stop_tuple: tuple = ()  # stop_ids on the host (views carry them without a sync)
+    # the strategy's registry name (shown in every view's info)
+    strategy: str = "eqspec"
+    # the strategy's options after its own validation, defaults filled in (read-only)
+    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    # sliding window of the target (None: full attention); holes need position masks
+    target_window: int | None = None
+    # the target's vocabulary size (every draft is checked against it); 0: the target's
+    vocab: int = 0
+
+    def __post_init__(self):
+        if not self.vocab:
+            object.__setattr__(self, "vocab", vocab_size(self.target))
+
+
+@dataclass
+class State:
+    """What changes during one ``generate`` call."""
+
+    stats: Stats = field(default_factory=Stats)
+    # verify steps run so far (the step number views carry)
+    step: int = 0
+    # which batch (or, for a pool, which admission) the views belong to; the Monitor
+    # starts its per-batch history when it sees a prefill of a new batch_index
+    batch_index: int = 0
+    # the layout profile the next views carry (invariants.view.PROFILES)
+    profile: str = "contiguous"
+    # () -> dict of strategy facts added to every view's info (built only with hooks)
+    info: Callable[[], dict] | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------
+
+def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) -> None:
+    """Build the read-only view and call every hook (nothing is built without hooks)."""
+    if not ctx.hooks:
+        return
+    t0 = time.perf_counter()
+    lag = ctx.k + 1 if batch.draft_cache is not None and phase in ("draft", "verify", "commit") else 0
+    view = batch.view(
+        step=state.step, phase=phase, profile=state.profile, k=ctx.k,
+        stop_token_ids=ctx.stop_tuple, model=ctx.target, draft_cache_lag=lag,
+        info={"strategy": ctx.strategy, "batch_index": state.batch_index,
+              **(state.info() if state.info is not None else {})}, **extra)
+    watch = validation.HookWatch(view, batch.stores())
+    try:
+        for hook in ctx.hooks:
+            hook(phase, view)
+            watch.check(hook)
+    finally:
+        state.stats.seconds["checks"] += time.perf_counter() - t0
+
+
+def timed(state: State, phase: str, t0: float) -> float:
+    """Add the wall time since ``t0`` to ``phase``; returns now."""
+    t1 = time.perf_counter()
+    state.stats.seconds[phase] += t1 - t0
+    return t1
+
+
+# ---------------------------------------------------------------------------------------
+# Phases
+# ---------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[int],
+            budgets: list[int], capacity: Capacity | None = None) -> RaggedBatch:
+    """Right-align the prompts and compute the target (and drafter) cache of all but the
+    pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
+    ``layout.contiguous_capacity``, the contiguous profile's need)."""
+    t0 = time.perf_counter()
+    dev = next(ctx.target.parameters()).device
+    tokens, valid, positions, lengths = left_pad(prompts, device=dev)
+    b, w = tokens.shape
+    max_budget = max(budgets)
+    budgets_t = torch.tensor(budgets, dtype=torch.long, device=dev)
+    batch = RaggedBatch(
+        tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+        prompt_lengths=lengths.clone(), budgets=budgets_t,
+        generated=torch.zeros(b, dtype=torch.long, device=dev),
+        finished=torch.zeros(b, dtype=torch.bool, device=dev),
+        row_ids=torch.tensor(row_ids, dtype=torch.long, device=dev),
+        output=torch.zeros(b, layout.output_width(max_budget, ctx.k), dtype=torch.long, device=dev),
+        target_cache=cache_mod.new_cache(ctx.target, layout.contiguous_capacity(w, max_budget, ctx.k)
+                                         if capacity is None else capacity(w, max_budget)),
+    )
+    record = None
+    cw = layout.cache_width(w)
+    if cw > 0:
+        ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
+        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
+        record = ForwardRecord(ids, pos, mask, 0)
+    ctx.drafter.prefill(batch)
+    timed(state, "prefill", t0)
+    emit(ctx, state, "prefill", batch, forward=record)
+    return batch
+
+
+@dataclass
+class Spec:
+    """What one draft -> verify -> commit produced (device tensors)."""
+
+    # [B, k] long
+    drafts: torch.Tensor
+    # [B] long: drafts each row may use
+    limit: torch.Tensor
+    # [B, k+1] long: target argmax at pending and each draft
+    predictions: torch.Tensor
+    # [B] long
+    accepted: torch.Tensor
+    # [B] long: tokens committed this step
+    committed: torch.Tensor
+    # [B, k] long: the ids as proposed (any integer dtype; ``drafts`` holds them clamped
+    # into the vocabulary), and [B, k] bool: outside the vocabulary (``sync`` raises)
+    proposed: torch.Tensor | None = None
+    bad_drafts: torch.Tensor | None = None
+
+
+@dataclass
+class HostStep:
+    """The one host transfer of a step."""
+
+    finished: list  # [B] bool per row
+    max_n: int  # longest row after the commit among rows that stay (0 when none stays)
+    committed: list  # [B] int
+
+
+@torch.no_grad()
+def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
+    """Draft, verify and commit on ``batch`` (hooks after each phase); no host sync."""
+    k, dev = ctx.k, batch.device
+    b, w = batch.tokens.shape
+    t = time.perf_counter()
+
+    # -- draft ---------------------------------------------------------------------------
+    remaining = batch.remaining
+    limit = layout.draft_limit(layout.TORCH, k, remaining)
+    proposed = ctx.drafter.propose(batch, k)
+    # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
+    # the forward and flagged, and the flag is read with the step's one sync (``sync``)
+    drafts, bad = validation.checked_drafts(proposed, b, k, dev, ctx.vocab, state.step)
+    t = timed(state, "draft", t)
+    emit(ctx, state, "draft", batch, drafts=drafts, draft_limit=limit)
+
+    # -- verify: one forward over pending ++ drafts, explicit positions and mask ----------
+    t = time.perf_counter()
+    cw = layout.cache_width(w)  # slots 0 .. cw-1 are cached; the pending token is slot cw
+    inputs = torch.cat([batch.tokens[:, cw:], drafts], dim=1)
+    i = torch.arange(k + 1, device=dev)[None, :]
+    positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
+    mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
+    # holes in a sliding-window model: the window must count positions, not slots
+    kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) \
+        if batch.holes and ctx.target_window is not None else None
+    cache_before = batch.target_cache.width
+    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
+                               key_positions=kpos)
+    predictions = logits.argmax(dim=-1)
+    t = timed(state, "verify", t)
+    emit(ctx, state, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
+         forward=ForwardRecord(inputs, positions, mask, cache_before))
+
+    # -- commit: accept, correction/bonus, stop tokens, budget ---------------------------
+    t = time.perf_counter()
+    accepted = acceptance.accepted_count(drafts, predictions, limit)
+    committed, stopped = acceptance.committed_count(predictions, accepted, remaining, ctx.stop_ids)
+    before = batch.generated
+    cols = before[:, None] + i
+    written = torch.where(i < committed[:, None], predictions, 0)
+    batch.output = batch.output.scatter(1, cols, written)
+    batch.generated = before + committed
+    batch.finished = layout.row_finished(batch.finished, stopped, batch.generated, batch.budgets)
+    timed(state, "commit", t)
+    emit(ctx, state, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
+         accepted=accepted, committed=committed, generated_before=before)
+    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad)
+
+
+def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep:
+    """The one host sync of the step: finished rows, the longest staying row, committed
+    counts, whether any draft was outside the vocabulary (then it raises ValueError: the
+    step's output is never returned); updates the counters and the step number."""
+    b = batch.batch_size
+    max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
+    bad = spec.bad_drafts.sum() if spec.bad_drafts is not None else torch.zeros_like(max_n)
+    scalars = torch.stack([max_n, spec.limit.sum(), spec.accepted.sum(), spec.committed.sum(),
+                           bad])  # [5] long
+    host = torch.cat([batch.finished.long(), spec.committed, scalars]).tolist()
+    if host[2 * b + 4]:
+        validation.raise_bad_drafts(spec.proposed, spec.bad_drafts, batch.row_ids, ctx.vocab,
+                                    state.step)
+    st = state.stats
+    st.steps += 1
+    st.drafted += host[2 * b + 1]
+    st.accepted += host[2 * b + 2]
+    st.committed += host[2 * b + 3]
+    if ctx.hooks:
+        st.accepted_history.append(spec.accepted.tolist())
+    state.step += 1
+    return HostStep([bool(f) for f in host[:b]], host[2 * b], host[b : 2 * b])
+
+
+def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
+    """Hand the rows that finished this step to ``done`` (row_ids, output, generated)."""
+    count = sum(host.finished)
+    if count:
+        fin = rows_where(batch.finished, count)
+        done.append((batch.row_ids[fin], batch.output[fin], batch.generated[fin]))
+
+
+@torch.no_grad()
+def step(ctx: Context, state: State, batch: RaggedBatch, done: list,
+         after_step: AfterStep) -> RaggedBatch | None:
+    """One speculative step; returns the next batch, or None when every row finished.
+
+    Finished rows go to ``done`` (row_ids, output, generated); ``after_step`` (the
+    strategy's layout work: drop them, realign or append) makes the next batch.
+    """
+    spec = speculate(ctx, state, batch)
+    t = time.perf_counter()
+    host = sync(ctx, state, batch, spec)
+    retire(batch, host, done)
+    if all(host.finished):
+        timed(state, "realign", t)
+        return None
+    batch = after_step(ctx, state, batch, spec, host)
+    timed(state, "realign", t)
+    emit(ctx, state, "realign", batch)
+    return batch
+
+
+def run_batch(ctx: Context, state: State, prompts, row_ids, budgets, done: list, *,
+              capacity: Capacity, after_step: AfterStep) -> None:
+    """Prefill one batch and step it until every row finished."""
+    batch = prefill(ctx, state, prompts, row_ids, budgets, capacity)
+    while batch is not None:
+        batch = step(ctx, state, batch, done, after_step)
+
+
+def collect(done: list, count: int) -> list[list[int]]:
+    """Host-side assembly of finished rows into per-prompt lists (once per call)."""
+    seqs: list = [None] * count
+    for row_ids, output, generated in done:
+        for r, out, g in zip(row_ids.tolist(), output.tolist(), generated.tolist()):
+            seqs[r] = out[:g]
+    return seqs

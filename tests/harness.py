@@ -1,0 +1,193 @@
+"""Running workloads on the engine: seeded prompts, the tiny targets, a ``Case`` run with a
+forcing drafter under a recording Monitor (``run_case`` -> ``Outcome``), the properties an
+outcome must keep (``outcome_failures``), and the drafters of the equivalence grids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyp_inputs import Case
+from oracle import cut_at_stop, free_reference
+
+#: prompt lengths mixed in one batch: from 1 token to 60
+MIXED_LENGTHS = (1, 60, 7, 33, 2, 18, 45, 12)
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """Seeded random prompts of the given lengths, ids in [low, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+_MODELS: dict = {}
+
+
+def tiny_target(family: str):
+    if family not in _MODELS:
+        from specdec import models
+
+        _MODELS[family] = models.tiny(family)
+    return _MODELS[family]
+
+
+def case_prompts(case: Case) -> list[list[int]]:
+    from specdec import models
+
+    return random_prompts(case.lengths, case.vocab or models.TINY_VOCAB, seed=case.seed)
+
+
+@dataclass
+class Outcome:
+    sequences: list
+    reference: list
+    forced: list  # per step: [B] forced accepted counts (before the draft limit)
+    commits: list  # per step: (row_ids, draft_limit, accepted, committed) host lists
+    violations: list
+    k: int
+    budget: int
+    stops: list
+
+    def steps(self) -> int:
+        """Verify steps run (over all batches)."""
+        return len(self.commits)
+
+    def divergence_step(self) -> int | None:
+        """1-based step (over all batches) that committed the first wrong token, if any."""
+        first = None
+        for row_id, (got, want) in enumerate(zip(self.sequences, self.reference)):
+            if got == want:
+                continue
+            j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            total = 0
+            for step, (rows, _, _, committed) in enumerate(self.commits, start=1):
+                if row_id in rows:
+                    total += committed[rows.index(row_id)]
+                    if total > j:
+                        first = step if first is None else min(first, step)
+                        break
+        return first
+
+    def steps_to_failure(self) -> int:
+        """Steps up to the first violation or the first wrong token (all steps when none)."""
+        marks = [s for s in (self.divergence_step(),) if s is not None]
+        if self.violations:
+            marks.append(self.violations[0].step + 1)
+        return min(marks) if marks else self.steps()
+
+
+class CommitRecorder:
+    def __init__(self):
+        self.commits = []
+
+    def __call__(self, phase, view):
+        if phase == "commit":
+            self.commits.append((view.row_ids.tolist(), view.draft_limit.tolist(),
+                                 view.accepted.tolist(), view.committed.tolist()))
+
+
+def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=None, target=None,
+             raise_on_violation: bool = False) -> Outcome:
+    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default).
+
+    ``mutant`` (a name of specdec.mutants; default: the drill's ``$SPECDEC_MUTANT``,
+    tests/campaign.py) applies to the engine run only: the reference is always computed
+    with the real layout (reference decoding shares left_pad's math).
+    """
+    import contextlib
+
+    import invariants
+    import specdec
+    from campaign import planted_mutant
+    from specdec import drafters, models, mutants
+
+    mutant = mutant or planted_mutant()
+    target = target if target is not None else tiny_target(case.family)
+    prompts = case_prompts(case)
+    free = free_reference(target, prompts, case.budget,
+                          key=(id(target), tuple(case.lengths), case.budget, case.seed))
+    stops = models.stop_token_ids(target)
+    if case.stop is not None:
+        row, off = case.stop
+        off = min(off, len(free[row]) - 1)
+        stops = [free[row][off]]
+    ref = cut_at_stop(free, set(stops))
+    drafter = drafters.ForcingDrafter(free, case.pattern, models.vocab_size(target))
+    forced = []
+    orig = drafter.propose
+
+    def propose(batch, k):
+        forced.append(drafter.forced(batch, k).tolist())
+        return orig(batch, k)
+
+    drafter.propose = propose
+    mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
+    rec = CommitRecorder()
+    strategy = strategy or case.strategy
+    with mutants.apply(mutant) if mutant else contextlib.nullcontext():
+        seqs = _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, [mon, rec])
+    violations = mon.check()
+    return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops)
+
+
+#: ``run_case(known_bad=NAIVE)``: the known-bad engines' shared loop without a defect
+NAIVE = "naive"
+
+
+def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hooks):
+    import specdec
+
+    if known_bad is None:
+        return specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
+                                batch_size=case.batch_size, max_new_tokens=case.budget,
+                                stop_token_ids=stops, hooks=hooks).sequences
+    from specdec.forensics.known_bad import generate_known_bad
+
+    fault = None if known_bad == NAIVE else known_bad
+    seqs, _ = generate_known_bad(fault, target, prompts, drafter=drafter, k=case.k,
+                                 max_new_tokens=case.budget, stop_token_ids=stops, hooks=hooks,
+                                 batch_size=case.batch_size)
+    return seqs
+
+
+def outcome_failures(o: Outcome) -> list[str]:
+    """Every property an outcome breaks (empty: all hold)."""
+    bad = []
+    if o.violations:
+        v = o.violations[0]
+        bad.append(f"invariant {v.invariant} at step {v.step}, {v.phase}")
+    if o.sequences != o.reference:
+        bad.append("ids differ from the batch-1 reference")
+    for (rows, limit, acc, com), forced in zip(o.commits, o.forced):
+        for lim, a, c, f in zip(limit, acc, com, forced):
+            if a != min(f, lim):
+                bad.append(f"accepted {a} != forced min({f}, {lim})")
+            if not 1 <= c <= o.k + 1:
+                bad.append(f"committed {c} outside [1, k+1]")
+    for s in o.sequences:
+        if len(s) > o.budget:
+            bad.append("budget exceeded")
+        if any(t in o.stops for t in s[:-1]):
+            bad.append("tokens after a stop token")
+    return bad
+
+
+def corrupted(seqs, vocab: int, every: int = 3):
+    """The reference with every ``every``-th token replaced: forces partial acceptance."""
+    return [[(t + 1) % vocab if i % every == every - 1 else t for i, t in enumerate(s)]
+            for s in seqs]
+
+
+def make_drafter(kind: str, draft_model, ref, vocab: int):
+    """The grid's drafter of ``kind``: ngram, model (``draft_model``) or scripted
+    (the corrupted reference)."""
+    from specdec import drafters
+
+    if kind == "ngram":
+        return drafters.NGramDrafter()
+    if kind == "model":
+        return drafters.ModelDrafter(draft_model)
+    if kind == "scripted":
+        return drafters.ScriptedDrafter(corrupted(ref, vocab))
+    raise AssertionError(kind)

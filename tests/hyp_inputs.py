@@ -1,0 +1,103 @@
+"""Hypothesis strategies for the adversarial property suite: one per kind of adversarial
+input, and ``cases()`` composing them into a whole workload (``Case``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+
+# One strategy per kind of adversarial input; ``cases()`` composes them. Shrinking goes
+# toward few rows (the row count is drawn first, from 1), few steps (small budgets, short
+# patterns) and short prompts.
+
+PATTERN_KINDS = ("all_zero", "all_max", "one_lagging", "alternating", "staircase", "random")
+
+
+def shape_pattern(kind: str, row: int, rows: int, k: int, steps: int, drawn: list) -> list:
+    """Row ``row``'s accepted count per step under pattern ``kind`` (``drawn``: the row's own
+    random counts, used by "random" and to pick the lagging row)."""
+    if kind == "all_zero":
+        return [0] * steps
+    if kind == "all_max":
+        return [k] * steps
+    if kind == "one_lagging":
+        return [0 if row == 0 else k] * steps  # row 0 lags (shrinking keeps it first)
+    if kind == "alternating":
+        return [(k if (row + s) % 2 else 0) for s in range(steps)]
+    if kind == "staircase":
+        return [min(k, (row + s) % (k + 1)) for s in range(steps)]
+    return [min(a, k) for a in drawn]
+
+
+@st.composite
+def acceptance_patterns(draw, rows: int, k: int, steps: int):
+    """Per row, per step, the accepted count in [0, k] an engine must produce."""
+    kind = draw(st.sampled_from(PATTERN_KINDS))
+    drawn = [draw(st.lists(st.integers(0, k), min_size=1, max_size=steps)) for _ in range(rows)]
+    return [shape_pattern(kind, r, rows, k, steps, drawn[r]) for r in range(rows)]
+
+
+def prompt_length(context: int, budget: int, shortest: int = 1):
+    """A prompt length from ``shortest`` tokens to near the context limit (prompt + budget
+    <= context), mostly short so that batches mix short and long rows."""
+    return st.one_of(st.integers(shortest, shortest + 11), st.integers(shortest, context - budget))
+
+
+def stop_placements(rows: int, budget: int):
+    """None, or (row, offset): the reference token of that row at that offset becomes a stop
+    token (so the row, and any row that meets the same id, stops there)."""
+    return st.one_of(st.none(), st.tuples(st.integers(0, rows - 1), st.integers(0, budget - 1)))
+
+
+@dataclass
+class Case:
+    """One adversarial workload."""
+
+    family: str
+    lengths: list
+    budget: int
+    k: int
+    batch_size: int
+    pattern: list
+    stop: tuple | None
+    seed: int = 0
+    note: dict = field(default_factory=dict)
+    strategy: str = "eqspec"
+    vocab: int | None = None  # prompt ids are drawn below it (None: the tiny vocabulary)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+
+@st.composite
+def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3"),
+          max_rows: int = 16, max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
+          strategies=None, shortest: int = 1, vocab: int | None = None):
+    """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts)
+    so that shrinking deletes whole rows; the pattern kind shapes every row's counts.
+    ``shortest``: the shortest prompt (past a sliding window, for instance); ``vocab``:
+    prompt ids are drawn below it (default: the tiny models' vocabulary)."""
+    family = draw(st.sampled_from(families))
+    k = draw(st.sampled_from(ks))
+    budget = draw(st.integers(1, max_budget))
+    kind = draw(st.sampled_from(PATTERN_KINDS))
+    row = st.tuples(prompt_length(context, budget, shortest),
+                    st.lists(st.integers(0, k), min_size=1, max_size=budget))
+    drawn = draw(st.lists(row, min_size=1, max_size=max_rows))
+    rows = len(drawn)
+    lengths = [length for length, _ in drawn]
+    pattern = [shape_pattern(kind, r, rows, k, budget, counts) for r, (_, counts) in enumerate(drawn)]
+    # drawn independently of the row count (then capped) so that deleting a row while
+    # shrinking never invalidates the batch size
+    batch_size = min(draw(st.integers(1, max_rows)), rows)
+    stop = draw(stop_placements(rows, budget))
+    seed = draw(st.integers(0, 3))
+    if strategies is None:  # every registered strategy
+        from specdec.strategies import names
+
+        strategies = names()
+    strategy = draw(st.sampled_from(strategies))
+    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed, note={"kind": kind},
+                strategy=strategy, vocab=vocab)
