@@ -4,7 +4,10 @@ All configurations run in one process, interleaved per batch size, so that ratio
 measured under the same machine noise. Prints, per drafter, strategy and batch size:
 tokens/s, decode tokens/s (tokens per second of decode time, prefill excluded), ratio to batched standard decoding at the same batch size, ratio to itself at
 batch 1, acceptance, share of decode time per phase (draft, verify, realign, checks) and the
-exact-match rate against batch-1 greedy decoding; then, per batch size, the best strategy
+exact-match rate against batch-1 greedy decoding (with, per configuration, the rows the
+output oracle ``invariants.compare_outputs`` judges numerical near-ties or desyncs under its
+calibrated rule, measured in the configuration's batch shape; the oracle's time is not
+part of any figure); then, per batch size, the best strategy
 (highest geometric mean of tokens/s over the drafters), its realign share per drafter next
 to EQSPEC's own, and the fastest strategy per drafter.
 Writes JSON and PNG plots to --out.
@@ -14,6 +17,7 @@ Writes JSON and PNG plots to --out.
     python benchmarks/throughput.py --drafters ngram scripted:0.3 scripted:0.6 scripted:0.9 \
         --batch-sizes 1 2 4 8 16 --strategies eqspec exspec holes
     python benchmarks/throughput.py --strategies holes:0 holes:0.25 holes:0.5 holes:1 exspec:32
+    python benchmarks/throughput.py --dtype bfloat16     # models cast to bf16 (or float16)
 
 A strategy (a name of ``specdec.strategies.names()``) may carry a value of its first
 option after a colon: ``holes:H`` (hole_threshold H) and ``exspec:N`` (window N). The
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
+from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
 from specdec import drafters, engine, models, prompts, strategies  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
 
@@ -101,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--strategies", nargs="+", default=["eqspec"])
     ap.add_argument("--drafters", nargs="+", default=["ngram"])
+    ap.add_argument("--dtype", default="float32", choices=tuple(models.DTYPES),
+                    help="dtype the models are cast to (default float32)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--from-json", default=None, metavar="RESULTS",
@@ -121,8 +128,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target, tok = models.resolve(args.model)
-    draft_model = models.resolve(args.draft_model)[0] if args.draft_model else None
+    target, tok = models.resolve(args.model, dtype=args.dtype)
+    draft_model = models.resolve(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     vocab = models.vocab_size(target)
     chosen = prompts.builtin_prompts()[: args.prompts]
     if tok is not None:
@@ -171,10 +178,14 @@ def main(argv=None) -> int:
             seqs, stats = res.sequences, res.stats
         secs = time.perf_counter() - t0
         n = sum(len(s) for s in seqs)
+        oracle = compare_outputs(target, ids, seqs, reference, max_new_tokens=new,
+                                 batch_size=b, chunk=1 if stats is None else args.k + 1)
+        counts = oracle.counts()
         rows.append({
             "strategy": strategy, "drafter": dspec, "batch_size": b, "seconds": secs,
             "tokens": n, "tokens_per_s": n / secs,
-            "exact_match": sum(a == r for a, r in zip(seqs, reference)) / len(reference),
+            "exact_match": counts["equal"] / len(reference),
+            "near_ties": counts["near-tie"], "desyncs": counts["desync"],
             "acceptance": stats.acceptance if stats else None,
             "steps": stats.steps if stats else None,
             "phase_seconds": dict(stats.seconds) if stats else None,
@@ -196,12 +207,13 @@ def main(argv=None) -> int:
         r["vs_own_batch1"] = r["tokens_per_s"] / base if base else None
 
     model_name = args.model or models.DEFAULT_MODEL_NAME
-    print(f"model {model_name}, {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
+    rule = rule_text(DEFAULT_TOLERANCE)
+    print(f"model {model_name} ({args.dtype}), {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
           f"{new} new tokens, k={args.k}, torch threads {torch.get_num_threads()}; "
-          f"batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s")
+          f"batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s\noracle: {rule}")
     head = (f"{'strategy':<11} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} {'vs b1':>6} "
             f"{'accept':>6} {'group':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} "
-            f"{'exact':>6}")
+            f"{'exact':>6} {'ties':>4} {'desync':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -216,7 +228,8 @@ def main(argv=None) -> int:
               f"{(r['vs_own_batch1'] or 0):>6.2f} "
               f"{acc:>6} {grp:>6} "
               f"{fmt(sh.get('draft'))} {fmt(sh.get('verify'))} {fmt(sh.get('realign'), 7)} "
-              f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}%")
+              f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}% {r['near_ties']:>4} "
+              f"{r['desyncs']:>6}")
 
     summary = realign_summary(rows)
     print_summary(summary)
@@ -224,7 +237,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model_name, "prompts": len(ids), "max_new_tokens": new, "k": args.k,
+        meta = {"model": model_name, "dtype": args.dtype, "oracle": rule, "prompts": len(ids),
+                "max_new_tokens": new, "k": args.k,
                 "threads": torch.get_num_threads(), "reference_tokens_per_s": ref_tokens / ref_seconds}
         (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "realign_summary": summary}, indent=2))
         plot(rows, out)

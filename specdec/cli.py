@@ -56,6 +56,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_int_option("max new tokens", 1), default=64,
                    help="new tokens per prompt (default 64)")
     p.add_argument("--strategy", default="eqspec", choices=strategies.names())
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the models are cast to and compute in (default float32)")
 
 
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
@@ -118,10 +120,10 @@ def cmd_generate(args) -> int:
     plugin = strategies.get(args.strategy)
     engine.check_option_names(plugin, options)
     plugin.check_options(options, batch_size=args.batch_size)
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     drafter = drafters.NGramDrafter()
     if args.draft_model:
-        drafter = drafters.ModelDrafter(models.resolve(args.draft_model)[0])
+        drafter = drafters.ModelDrafter(models.resolve(args.draft_model, dtype=args.dtype)[0])
     ids = _encode(items, tok, chat=not args.no_chat)
     t0 = time.perf_counter()
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
@@ -168,7 +170,7 @@ def cmd_audit(args) -> int:
     if not items:
         raise ValueError(f"prompt file {args.prompts} holds no prompts")
     items = items[: args.limit] if args.limit else items
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
         import torch
 
@@ -180,7 +182,7 @@ def cmd_audit(args) -> int:
     else:
         ids = _encode(items, tok, chat=True)
     if args.draft_model:
-        draft = models.resolve(args.draft_model)[0]
+        draft = models.resolve(args.draft_model, dtype=args.dtype)[0]
         factory, dname = (lambda: drafters.ModelDrafter(draft)), f"model {args.draft_model}"
     else:
         factory, dname = drafters.NGramDrafter, "ngram"

@@ -131,6 +131,10 @@ def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=
     return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops)
 
 
+#: ``run_case(known_bad=NAIVE)``: the known-bad engines' shared loop without a defect
+NAIVE = "naive"
+
+
 def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hooks):
     import specdec
 
@@ -140,7 +144,8 @@ def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hook
                                 stop_token_ids=stops, hooks=hooks).sequences
     from specdec.forensics.known_bad import generate_known_bad
 
-    seqs, _ = generate_known_bad(known_bad, target, prompts, drafter=drafter, k=case.k,
+    fault = None if known_bad == NAIVE else known_bad
+    seqs, _ = generate_known_bad(fault, target, prompts, drafter=drafter, k=case.k,
                                  max_new_tokens=case.budget, stop_token_ids=stops, hooks=hooks,
                                  batch_size=case.batch_size)
     return seqs

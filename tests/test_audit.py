@@ -15,17 +15,20 @@ KEYS = {"name", "expected_correct", "tokens_per_s", "speedup_vs_standard", "acce
 def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
     out = tmp_path / "audit"
     rc = cli.main(["audit", "--model", "tiny:llama", "--limit", "6", "--max-new-tokens", "8",
-                   "--engines", "standard", "eqspec", "exspec", "holes", "implicit_positions",
-                   "mask_all_ones", "accept_first_mismatch", "--out", str(out)])
+                   "--engines", "standard", "hf_generate", "eqspec", "exspec", "holes",
+                   "implicit_positions", "mask_all_ones", "accept_first_mismatch",
+                   "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "implicit_positions" in printed and "first violation" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["model"] == "tiny:llama" and report["prompts"] == 6
+    assert report["settings"]["dtype"] == "float32"
+    assert report["settings"]["oracle"].startswith("calibrated")  # no fixed tolerance
     engines = {e["name"]: e for e in report["engines"]}
     for e in engines.values():
         assert KEYS <= set(e) and 0.0 <= e["exact_match"] <= 1.0
-    for name in ("standard", "eqspec", "exspec", "holes"):
+    for name in ("standard", "hf_generate", "eqspec", "exspec", "holes"):
         e = engines[name]
         assert e["expected_correct"] and e["exact_match"] == 1.0
         assert e["desyncs"] == 0 and e["violations"] == 0
@@ -41,6 +44,21 @@ def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
 def test_audit_refuses_unknown_engines(capsys):
     assert cli.main(["audit", "--model", "tiny:llama", "--limit", "2", "--engines", "warp"]) == 2
     assert "unknown engines ['warp']" in capsys.readouterr().err
+
+
+def test_audit_runs_in_the_dtype_asked_and_says_so(tmp_path, capsys):
+    out = tmp_path / "audit"
+    rc = cli.main(["audit", "--model", "tiny:gpt2", "--dtype", "bfloat16", "--limit", "4",
+                   "--max-new-tokens", "6", "--engines", "standard", "hf_generate", "holes",
+                   "crop_to_batch_min", "--out", str(out)])
+    assert rc == 0
+    assert "(bfloat16)" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["dtype"] == "bfloat16"
+    for e in report["engines"]:
+        if e["expected_correct"]:
+            assert e["desyncs"] == 0 and e["violations"] == 0
+            assert all(r["classification"] == "near-tie" for r in e["divergences"])
 
 
 @pytest.mark.real

@@ -29,7 +29,8 @@ def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_pat
     rows = data["rows"]
     got = {(r["strategy"], r["batch_size"]) for r in rows}
     assert got == {(s, b) for s in ("standard", "eqspec", "holes", "exspec") for b in (1, 3)}
-    assert all(r["exact_match"] == 1.0 for r in rows)
+    assert all(r["exact_match"] == 1.0 and r["near_ties"] == r["desyncs"] == 0 for r in rows)
+    assert data["meta"]["dtype"] == "float32" and "calibrated" in data["meta"]["oracle"]
     for r in rows:
         if r["strategy"] != "standard":
             assert sum(r["phase_shares"].values()) == pytest.approx(1.0)

@@ -137,7 +137,7 @@ CLI_ERRORS = [
     ("generate-option-of-another", ["generate", *TINY, "--window", "4", "5"], "window= applies to strategy='exspec' only, not 'eqspec'", True),
     ("audit-prompts-missing", ["audit", *TINY, "--prompts", "{missing}"], "prompt file {missing} does not exist", True),
     ("audit-prompts-malformed", ["audit", *TINY, "--prompts", "{malformed}"], "not valid JSON", True),
-    ("audit-engines-unknown", ["audit", *TINY, "--engines", "nosuch"], "unknown engines ['nosuch']; choose from standard, eqspec", True),
+    ("audit-engines-unknown", ["audit", *TINY, "--engines", "nosuch"], "unknown engines ['nosuch']; choose from standard, hf_generate, eqspec", True),
     ("audit-k-negative", ["audit", *TINY, "--k", "-1"], "k (drafts per step) must be an integer >= 0, got -1", True),
     ("audit-batch-zero", ["audit", *TINY, "--batch-size", "0"], "batch size must be an integer >= 1, got 0", True),
     ("audit-out-is-a-file", ["audit", *TINY, "--out", "/etc/passwd"], "--out /etc/passwd exists and is not a directory", True),

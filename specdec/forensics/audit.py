@@ -1,12 +1,18 @@
 """``specdec audit``: which batched decoding engines stay exact, and where the others break.
 
-On one model and one prompt set it runs batched standard decoding, every registered
-speculative strategy (``specdec.strategies.names()``) and every known-bad reproduction
-(``known_bad.KNOWN_BAD``). Correct engines run under a strict Monitor (a violation stops
-that engine and is reported); known-bad ones under a recording Monitor, so their whole
-output is seen. Every engine's ids are compared with batch-1 greedy decoding; a divergence
-is a near-tie when the reference's top-2 logit margin at its first position is below
-``invariants.DEFAULT_TOLERANCE``, a desync otherwise.
+On one model and one prompt set it runs batched standard decoding, Hugging Face's batched
+``generate`` (left padding), every registered speculative strategy
+(``specdec.strategies.names()``) and every known-bad reproduction
+(``known_bad.KNOWN_BAD``). Correct speculative engines run under a strict Monitor (a
+violation stops that engine and is reported); known-bad ones under a recording Monitor, so
+their whole output is seen. Every engine's ids are judged by the output oracle
+``invariants.compare_outputs`` against batch-1 greedy decoding, calibrated by default
+(``tolerance=None``: a divergence is a near-tie only when both tokens lie within the spread
+the model's own dtype produces at that prefix, measured in the engine's batch shape among
+others; a number gives the absolute rule). Overruns (output exact up to the reference's
+stop token, then more tokens) are counted apart from the other desyncs. The report states
+the dtype and the rule, and keeps every near-tie's and desync's evidence (margin, gaps,
+spread, in logits and in ulps) in report.json.
 
 The report (``Report``) prints as a table; ``write(dir)`` saves report.md, report.json and
 two PNG figures. Engines finish one at a time: an interrupt (Ctrl-C) keeps what finished.
@@ -24,10 +30,14 @@ import torch
 from .. import strategies
 from .plots import phase_shares, save, stacked_phase_shares
 
+#: engines that are no speculative loop (one token per row per forward, no Monitor)
+PLAIN = ("standard", "hf_generate")
+
 
 def correct_names() -> tuple[str, ...]:
-    """The engines expected to be exact: batched standard decoding and every strategy."""
-    return ("standard",) + strategies.names()
+    """The engines expected to be exact: batched standard decoding, Hugging Face's batched
+    ``generate`` and every strategy."""
+    return PLAIN + strategies.names()
 
 
 def engine_names() -> tuple[str, ...]:
@@ -63,6 +73,8 @@ class EngineReport:
     phase_shares: dict | None = None
     error: str | None = None
     description: str = ""
+    oracle_seconds: float = 0.0
+    divergences: list = field(default_factory=list)  # per diverging row: its evidence
 
 
 @dataclass
@@ -107,18 +119,22 @@ class Report:
 
     def header(self) -> str:
         s = self.settings
-        return (f"model {self.model}, {self.prompts} prompts, batch {s['batch_size']}, "
-                f"k={s['k']}, {s['max_new_tokens']} new tokens, drafter {s['drafter']}"
-                + (" (interrupted: partial report)" if self.interrupted else ""))
+        return (f"model {self.model} ({s.get('dtype', 'float32')}), {self.prompts} prompts, "
+                f"batch {s['batch_size']}, k={s['k']}, {s['max_new_tokens']} new tokens, "
+                f"drafter {s['drafter']}"
+                + (" (interrupted: partial report)" if self.interrupted else "")
+                + (f"\noracle: {s['oracle']}" if s.get("oracle") else ""))
 
     def write(self, out) -> None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(self.as_json(), indent=2))
         md = [f"# specdec audit\n", self.header() + "\n", "```", self.table(), "```", ""]
-        md.append("Near-ties: divergences where the batch-1 reference's top-2 logit margin is "
-                  "below the tolerance (numerics, not bugs). Overruns: output exact up to the "
-                  "reference's stop token, then more tokens. Desyncs: all other divergences.\n")
+        md.append("Near-ties: rows whose every divergence is a numerical near-tie under the "
+                  "oracle's rule above (numerics, not bugs; the rest of a row after a near-tie "
+                  "is checked against a reference re-decoded from the row's own prefix). "
+                  "Overruns: output that runs on where the reference stopped. Desyncs: all "
+                  "other divergences. report.json keeps each row's evidence.\n")
         md.append("![throughput vs exact match](exactness.png)\n\n![phase shares](phases.png)\n")
         (out / "report.md").write_text("\n".join(md))
         _plots(self, out)
@@ -150,27 +166,28 @@ def _plots(report: Report, out: Path) -> None:
                          label_size=7, rotation=30)
 
 
-def _classify(seqs, reference, margins, tolerance):
+def _classify(comparison):
+    """(equal, near-tie, desync, overrun) row counts, the first desync (row, index) and
+    every diverging row's evidence, from an ``invariants.Comparison``."""
     exact = near = desync = overrun = 0
-    first_bad = None
-    for row, (got, want) in enumerate(zip(seqs, reference)):
-        if got == want:
+    first_bad, evidence = None, []
+    for row in comparison.rows:
+        if row.equal:
             exact += 1
             continue
-        if len(got) > len(want) and got[: len(want)] == want:
-            overrun += 1  # exact up to the reference's end (a stop token), then more tokens
-            if first_bad is None:
-                first_bad = (row, len(want) - 1)
-            continue
-        j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        margin = margins[row][j] if j < len(margins[row]) else None
-        if margin is not None and margin < tolerance:
+        evidence.append({"row": row.row, "classification": row.classification,
+                         "divergences": [d.as_dict() for d in row.divergences]})
+        bad = row.desync
+        if bad is None:
             near += 1
+            continue
+        if bad.expected is None and bad.actual is not None:
+            overrun += 1  # the output runs on where the reference had stopped
         else:
             desync += 1
-            if first_bad is None:
-                first_bad = (row, j)
-    return exact, near, desync, overrun, first_bad
+        if first_bad is None:
+            first_bad = (row.row, bad.index)
+    return exact, near, desync, overrun, first_bad, evidence
 
 
 def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | None:
@@ -185,9 +202,11 @@ def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | Non
 
 def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch_size=8, k=4,
               max_new_tokens=32, drafter_factory=None, drafter_name="ngram", progress=None,
-              report: Report | None = None) -> Report:
-    """Run every engine in ``engines`` on ``ids``; fills and returns ``report``."""
+              report: Report | None = None, tolerance: float | None = None) -> Report:
+    """Run every engine in ``engines`` on ``ids``; fills and returns ``report``.
+    ``tolerance``: the oracle's rule (None: calibrated; see ``invariants.equivalence``)."""
     import invariants
+    from invariants.equivalence import rule_text
 
     from .. import drafters, engine, reference
     from .known_bad import KNOWN_BAD, generate_known_bad
@@ -198,10 +217,10 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
         report = Report(model_name, len(ids), {"batch_size": batch_size, "k": k,
                                                "max_new_tokens": max_new_tokens,
                                                "drafter": drafter_name})
-    tol = invariants.DEFAULT_TOLERANCE
+    report.settings["dtype"] = str(next(target.parameters()).dtype).replace("torch.", "")
+    report.settings["oracle"] = rule_text(tolerance)
     t0 = time.perf_counter()
-    ref, margins = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens,
-                                                batch_size=1, return_margins=True)
+    ref = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens, batch_size=1)
     report.reference_seconds = time.perf_counter() - t0
     if progress:
         progress(1)
@@ -218,6 +237,9 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             if name == "standard":
                 seqs = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens,
                                                     batch_size=batch_size)
+            elif name == "hf_generate":
+                seqs = reference.hf_generate(target, ids, max_new_tokens=max_new_tokens,
+                                             batch_size=batch_size)
             elif correct:
                 res = engine.generate(target, ids, drafter=drafter_factory(), strategy=name, k=k,
                                       batch_size=batch_size, max_new_tokens=max_new_tokens,
@@ -243,7 +265,12 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
         if stats is not None:
             rep.acceptance = stats.acceptance
             rep.phase_shares = phase_shares(stats.seconds)
-        exact, near, desync, overrun, first_bad = _classify(seqs, ref, margins, tol)
+        t0 = time.perf_counter()
+        comparison = invariants.compare_outputs(
+            target, ids, seqs, ref, max_new_tokens=max_new_tokens, tolerance=tolerance,
+            batch_size=batch_size, chunk=1 if name in PLAIN else k + 1)
+        rep.oracle_seconds = time.perf_counter() - t0
+        exact, near, desync, overrun, first_bad, rep.divergences = _classify(comparison)
         rep.exact_match = exact / len(ids)
         rep.near_ties, rep.desyncs, rep.overruns = near, desync, overrun
         rep.violations = len(mon.violations)
