@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def throughput():
     spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["throughput"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
