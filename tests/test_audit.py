@@ -39,3 +39,29 @@ def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
 def test_audit_refuses_unknown_engines(capsys):
     assert cli.main(["audit", "--model", "tiny:llama", "--limit", "2", "--engines", "warp"]) == 2
     assert "unknown engines ['warp']" in capsys.readouterr().err
+
+
+def test_audit_interleaves_the_engines_batch_by_batch_and_reports_the_spread(monkeypatch):
+    from specdec import models
+    from specdec.forensics import audit
+
+    order = []
+    orig = audit._EngineRun.run_batch
+
+    def spy(self, target, prompts, rows, **kw):
+        order.append((rows[0], self.name))
+        return orig(self, target, prompts, rows, **kw)
+
+    monkeypatch.setattr(audit._EngineRun, "run_batch", spy)
+    target = models.tiny("llama")
+    ids = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    engines = ["standard", "eqspec", "holes"]
+    report = audit.run_audit(target, None, ids, engines=engines, batch_size=2, max_new_tokens=4)
+    # batch-major, the order rotating: every engine ran a batch before any ran the next
+    assert [r for r, _ in order] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert [n for _, n in order[3:6]] == ["eqspec", "holes", "standard"]
+    for e in report.engines:
+        assert len(e.batch_tokens_per_s) == 3 and e.exact_match == 1.0
+        lo, hi = e.speedup_spread
+        assert 0 < lo <= hi
+    assert report.engines[0].speedup_spread == [1.0, 1.0]
