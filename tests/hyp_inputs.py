@@ -66,10 +66,10 @@ def draft_lengths(draw, rows: int, k: int, steps: int):
     return [shape_lengths(kind, r, k, steps, drawn[r]) for r in range(rows)]
 
 
-def prompt_length(context: int, budget: int):
-    """A prompt length from 1 token to near the context limit (prompt + budget <= context),
-    mostly short so that batches mix short and long rows."""
-    return st.one_of(st.integers(1, 12), st.integers(1, context - budget))
+def prompt_length(context: int, budget: int, shortest: int = 1):
+    """A prompt length from ``shortest`` tokens to near the context limit (prompt + budget
+    <= context), mostly short so that batches mix short and long rows."""
+    return st.one_of(st.integers(shortest, shortest + 11), st.integers(shortest, context - budget))
 
 
 def stop_placements(rows: int, budget: int):
@@ -94,6 +94,7 @@ class Case:
     strategy: str = "eqspec"
     # per row, per step: the draft length k_b (ForcedPolicy); None: every row drafts k
     draft_lengths: list | None = None
+    vocab: int | None = None  # prompt ids are drawn below it (None: the tiny vocabulary)
 
     @property
     def rows(self) -> int:
@@ -101,18 +102,19 @@ class Case:
 
 
 @st.composite
-def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows: int = 16,
-          max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
-          strategies=None):
+def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3"),
+          max_rows: int = 16, max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
+          strategies=None, shortest: int = 1, vocab: int | None = None):
     """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts,
     own draft lengths) so that shrinking deletes whole rows; the pattern kinds shape every
-    row's counts and lengths."""
+    row's counts and lengths. ``shortest``: the shortest prompt (past a sliding window, for
+    instance); ``vocab``: prompt ids are drawn below it (default: the tiny models' vocabulary)."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
     kind = draw(st.sampled_from(PATTERN_KINDS))
     length_kind = draw(st.sampled_from(LENGTH_KINDS))
-    row = st.tuples(prompt_length(context, budget),
+    row = st.tuples(prompt_length(context, budget, shortest),
                     st.lists(st.integers(0, k), min_size=1, max_size=budget),
                     st.lists(st.integers(0, k), min_size=1, max_size=budget))
     drawn = draw(st.lists(row, min_size=1, max_size=max_rows))
@@ -131,4 +133,5 @@ def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows
         strategies = names()
     strategy = draw(st.sampled_from(strategies))
     return Case(family, lengths, budget, k, batch_size, pattern, stop, seed,
-                note={"kind": kind, "lengths": length_kind}, strategy=strategy, draft_lengths=kbs)
+                note={"kind": kind, "lengths": length_kind}, strategy=strategy, draft_lengths=kbs,
+                vocab=vocab)

@@ -1,8 +1,10 @@
-"""``specdec audit``: the report's contract, on a tiny model."""
+"""``specdec audit``: the report's contract, on a tiny model; and on Gemma 3 past its window."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from specdec import cli
 
@@ -65,3 +67,24 @@ def test_audit_interleaves_the_engines_batch_by_batch_and_reports_the_spread(mon
         lo, hi = e.speedup_spread
         assert 0 < lo <= hi
     assert report.engines[0].speedup_spread == [1.0, 1.0]
+
+
+@pytest.mark.real
+@pytest.mark.xdist_group("gemma3-270m")
+def test_audit_on_gemma3_past_its_window_is_clean_for_correct_engines(tmp_path, capsys):
+    """``specdec audit --model gemma3-270m`` on a prompt past the 512-token window (one
+    prompt, a few engines, to keep CI short: the full audit's figures are in the README)."""
+    out = tmp_path / "audit"
+    rc = cli.main(["audit", "--model", "gemma3-270m", "--prompts", "long", "--limit", "1",
+                   "--batch-size", "1", "--max-new-tokens", "6", "--engines", "eqspec",
+                   "holes", "implicit_positions", "accept_first_mismatch", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"] == "gemma3-270m" and report["prompts"] == 1
+    engines = {e["name"]: e for e in report["engines"]}
+    for name in ("eqspec", "holes"):
+        e = engines[name]
+        assert e["exact_match"] == 1.0 and e["desyncs"] == 0 and e["violations"] == 0
+    for name, inv in (("implicit_positions", "I3"), ("accept_first_mismatch", "I6")):
+        assert engines[name]["violations"] > 0
+        assert engines[name]["first_violation"]["invariant"] == inv

@@ -20,7 +20,7 @@ import invariants
 import specdec
 from conftest import tiny_pair
 from harness import random_prompts
-from host_reads import forbid_host_reads
+from invariants.testing import TransferLog, no_host_transfers
 from specdec import drafters, models, phases, policy
 from specdec.batch import left_pad
 
@@ -220,30 +220,17 @@ def test_the_adaptive_plan_reads_nothing_and_uploads_nothing():
     pol = ctx.policy
     with torch.no_grad():
         pol.plan(batch, spec, ctx.drafter, spec.k)  # the first plan sets up the statistics
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Uploads(TorchDispatchMode):
-            seen = []
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.__name__.startswith("lift_fresh"):
-                    self.seen.append(func.__name__)
-                return func(*args, **(kwargs or {}))
-
         spec = phases.speculate(ctx, state, batch)
-        with forbid_host_reads(), Uploads() as up:
+        with no_host_transfers():  # no read, no upload, no data-dependent shape
             pol.plan(batch, spec, ctx.drafter, spec.k)
             pol.lengths(batch, K)
-    assert up.seen == []
 
 
-def test_a_clean_adaptive_step_reads_the_host_once(monkeypatch):
+def test_a_clean_adaptive_step_reads_the_host_once():
     ctx, state, batch, spec = adaptive_step()
-    reads = []
-    orig = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or orig(t))
-    host = phases.sync(ctx, state, batch, spec)
-    assert len(reads) == 1
+    with TransferLog(raise_on_transfer=False) as log:
+        host = phases.sync(ctx, state, batch, spec)
+    assert log.reads == 1, log.events
     assert len(host.next_lengths) == 2 and host.next_k == max(host.next_lengths)
 
 
