@@ -19,7 +19,7 @@ to --out.
     python benchmarks/throughput.py                      # real model, n-gram drafter
     python benchmarks/throughput.py --prompts 48 --batch-sizes 8 --policies adaptive fixed
     python benchmarks/throughput.py --prompts questions.jsonl --repeats 3
-    python benchmarks/throughput.py --batch-sizes 1 --hf-lookup 10 --prompts 12
+    python benchmarks/throughput.py --batch-sizes 1 --hf-lookup 10 --prompts 48 --kinds translation
     python benchmarks/throughput.py --model tiny:llama --draft-model tiny-draft:llama
     python benchmarks/throughput.py --drafters ngram scripted:0.6 scripted:0.9 \
         --batch-sizes 1 2 4 8 16 --strategies eqspec exspec holes
@@ -111,20 +111,29 @@ def geometric_mean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def load_prompts(arg: str) -> list:
-    """``--prompts``: a count of built-in prompts, or a JSONL path (``prompts.load_jsonl``)."""
+def load_prompts(arg: str, kinds=None) -> list:
+    """``--prompts``: a count of built-in prompts, or a JSONL path (``prompts.load_jsonl``);
+    ``--kinds``: only the prompts of these kinds (None: all)."""
     if arg.isdigit():
         count = int(arg)
         if count < 1:
             raise SystemExit(f"--prompts must be a count >= 1 or a JSONL file, got {arg!r}")
-        return prompts.builtin_prompts()[:count]
-    path = Path(arg)
-    if not path.exists():
-        raise SystemExit(f"--prompts must be a count >= 1 or a JSONL file; no file {arg!r}")
-    try:
-        return prompts.load_jsonl(path)
-    except ValueError as e:
-        raise SystemExit(str(e))
+        chosen = prompts.builtin_prompts()[:count]
+    else:
+        path = Path(arg)
+        if not path.exists():
+            raise SystemExit(f"--prompts must be a count >= 1 or a JSONL file; no file {arg!r}")
+        try:
+            chosen = prompts.load_jsonl(path)
+        except ValueError as e:
+            raise SystemExit(str(e))
+    if kinds:
+        have = list(dict.fromkeys(p.kind for p in chosen))
+        missing = [k for k in kinds if k not in have]
+        if missing:
+            raise SystemExit(f"--kinds must name kinds of the prompts {have}; not there: {missing}")
+        chosen = [p for p in chosen if p.kind in kinds]
+    return chosen
 
 
 @dataclass
@@ -282,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--prompts", default="16",
                     help="a count of built-in prompts (default 16) or a JSONL file of prompts")
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="only the prompts of these kinds (default: every kind)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -313,7 +324,7 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    chosen = load_prompts(args.prompts)
+    chosen = load_prompts(args.prompts, args.kinds)
 
     target, tok = models.resolve(args.model)
     draft_model = models.resolve(args.draft_model)[0] if args.draft_model else None
