@@ -58,6 +58,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="eqspec", choices=strategies.names())
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the models are cast to and compute in (default float32)")
+    p.add_argument("--policy", default="adaptive", choices=("adaptive", "fixed"),
+                   help="draft lengths per row and step: adaptive (default: draft where it "
+                        "pays) or fixed (every row drafts k)")
 
 
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
@@ -128,7 +131,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                          **_strategy_options(args))
+                          policy=args.policy, **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -188,14 +191,16 @@ def cmd_audit(args) -> int:
         factory, dname = drafters.NGramDrafter, "ngram"
     name = args.model or models.DEFAULT_MODEL_NAME
     report = audit.Report(name, len(ids), {"batch_size": args.batch_size, "k": args.k,
-                                           "max_new_tokens": args.max_new_tokens, "drafter": dname})
-    bar = tqdm(total=len(engines) + 1, desc="audit", file=sys.stderr) if tqdm else None
+                                           "max_new_tokens": args.max_new_tokens, "drafter": dname,
+                                           "policy": args.policy})
+    steps = len(engines) * -(-len(ids) // args.batch_size) + 1  # engine x batch, reference
+    bar = tqdm(total=steps, desc="audit", file=sys.stderr) if tqdm else None
     t0 = time.perf_counter()
     try:
         audit.run_audit(target, tok, ids, model_name=name, engines=engines,
                         batch_size=args.batch_size, k=args.k, max_new_tokens=args.max_new_tokens,
                         drafter_factory=factory, drafter_name=dname,
-                        progress=bar.update if bar else None, report=report)
+                        progress=bar.update if bar else None, report=report, policy=args.policy)
     except KeyboardInterrupt:
         report.interrupted = True
     finally:

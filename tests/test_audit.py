@@ -61,6 +61,32 @@ def test_audit_runs_in_the_dtype_asked_and_says_so(tmp_path, capsys):
             assert all(r["classification"] == "near-tie" for r in e["divergences"])
 
 
+def test_audit_interleaves_the_engines_batch_by_batch_and_reports_the_spread(monkeypatch):
+    from specdec import models
+    from specdec.forensics import audit
+
+    order = []
+    orig = audit._EngineRun.run_batch
+
+    def spy(self, target, prompts, rows, **kw):
+        order.append((rows[0], self.name))
+        return orig(self, target, prompts, rows, **kw)
+
+    monkeypatch.setattr(audit._EngineRun, "run_batch", spy)
+    target = models.tiny("llama")
+    ids = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    engines = ["standard", "eqspec", "holes"]
+    report = audit.run_audit(target, None, ids, engines=engines, batch_size=2, max_new_tokens=4)
+    # batch-major, the order rotating: every engine ran a batch before any ran the next
+    assert [r for r, _ in order] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert [n for _, n in order[3:6]] == ["eqspec", "holes", "standard"]
+    for e in report.engines:
+        assert len(e.batch_tokens_per_s) == 3 and e.exact_match == 1.0
+        lo, hi = e.speedup_spread
+        assert 0 < lo <= hi
+    assert report.engines[0].speedup_spread == [1.0, 1.0]
+
+
 @pytest.mark.real
 @pytest.mark.xdist_group("gemma3-270m")
 def test_audit_on_gemma3_past_its_window_is_clean_for_correct_engines(tmp_path, capsys):

@@ -79,16 +79,17 @@ class Compactions:
     batch had a hole within the sliding window of its pending tokens just before."""
 
     def __init__(self, window):
-        self.window, self.width, self.holes_in_window = window, None, False
+        self.window, self.width, self.k, self.holes_in_window = window, None, None, False
         self.seen: list = []  # (shortest row, holes within the window before) per compaction
 
     def __call__(self, phase, view):
         w = view.tokens.shape[1]
         if phase == "verify":  # a hole: an invalid slot after a valid one (not padding)
-            self.width = w
+            # the step's drafts (max k_b); at realign view.k is already the next step's
+            self.width, self.k = w, view.k
             holes = ~view.valid & view.valid.long().cummax(dim=1).values.bool()
             self.holes_in_window = bool(holes[:, -(self.window or w):].any())
-        if phase == "realign" and w != self.width + view.k + 1:  # not the plain holes width
+        if phase == "realign" and w != self.width + self.k + 1:  # not the plain holes width
             self.seen.append((int(view.lengths.min()), self.holes_in_window))
 
 
