@@ -107,8 +107,10 @@ def test_the_content_rules_are_silent_on_the_engine(family, strategy):
         try:
             with guard_model(target, mode, prompts=PROMPTS, max_new_tokens=BUDGET,
                              stop_token_ids=stops) as g, guard_model(draft):
+                # fixed k: with per-row draft lengths C2 raises false alarms on correct
+                # runs (README, "Guarding your own loop": known limits)
                 res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft),
-                                       strategy=strategy, k=K, batch_size=3,
+                                       strategy=strategy, k=K, batch_size=3, policy="fixed",
                                        max_new_tokens=BUDGET, stop_token_ids=stops)
         except NotImplementedError as e:  # a strategy this model cannot serve
             pytest.skip(str(e))
