@@ -70,7 +70,7 @@ def test_the_unclipped_draft_limit_mutant_is_caught_by_the_monitor_alone(strateg
     mon = invariants.Monitor(mode, raise_on_violation=False)
     with mutants.apply("draft_limit_unclipped"):
         specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=4,
-                         max_new_tokens=3, stop_token_ids=[], hooks=[mon])
+                         policy="fixed", max_new_tokens=3, stop_token_ids=[], hooks=[mon])
     found = mon.check()
     assert found, f"{strategy}/{mode}: the unclipped draft limit went unnoticed"
     assert any("draft_limit <= min(k, remaining - 1)" in r for v in found for r in v.rules)
