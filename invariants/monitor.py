@@ -209,7 +209,8 @@ class Monitor(Checker):
         self._prev: P.Snapshot | None = None
         self._prompts: P.Prompts | None = None
         self._stops: dict = {}
-        self._history: list = []  # (step, row_ids, accepted), device tensors
+        # (step, row_ids, accepted, draft_limit, committed) per commit view, device tensors
+        self._history: list = []
         self._pending = []
         self._refs: dict = {}  # deep I7: request id -> (ids, margins)
         self._checked: dict = {}  # deep I7: request id -> (output checked, past a near-tie)
@@ -348,7 +349,8 @@ class Monitor(Checker):
         except (RuntimeError, IndexError, ValueError):  # a malformed view (I1 reports it)
             pass
         if view.phase == "commit" and view.accepted is not None:
-            self._history.append((view.step, view.row_ids, view.accepted))
+            self._history.append((view.step, view.row_ids, view.accepted, view.draft_limit,
+                                  view.committed))
 
 
     # -- deep checks -----------------------------------------------------------------------
@@ -495,6 +497,42 @@ class Monitor(Checker):
             info=view.info, run=self.run, also=also, source="monitor")
         return InvariantViolation(trace)
 
+    # -- stats conservation ----------------------------------------------------------------
+    def check_stats(self, stats, outputs=None) -> list[InvariantViolation]:
+        """I6.stats: the engine's counters equal the sums over the commit views this
+        monitor saw in the run (``steps`` = commit views, ``drafted`` = sum of draft
+        limits, ``accepted`` and ``committed`` = sums of the views' counts), and with
+        ``outputs`` (every request's generated ids) ``committed`` = the total output
+        length. ``stats`` is any object with those four integer attributes (the engine's
+        ``Stats``). Call it after the run, before the next one starts; one host read. The
+        hook itself does no work for it: the commit views' tensors are kept by reference.
+        Returns the violations (raises the first unless ``raise_on_violation=False``)."""
+        names = ("steps", "drafted", "accepted", "committed")
+        seen = [h for h in self._history if h[3] is not None and h[4] is not None]
+        sums = torch.stack([torch.stack([h[3].long().sum(), h[2].long().sum(), h[4].long().sum()])
+                            for h in seen]).sum(dim=0).tolist() if seen else [0, 0, 0]
+        want = dict(zip(names, [len(self._history)] + sums))
+        broken = [f"I6.stats: Stats.{n} = {getattr(stats, n)} but the {len(self._history)} "
+                  f"commit views sum to {want[n]}" for n in names if getattr(stats, n) != want[n]]
+        if len(seen) != len(self._history):
+            broken.append("I6.stats: a commit view carried no draft_limit or committed, so "
+                          "the counters cannot be summed")
+        if outputs is not None:
+            total = sum(len(o) for o in outputs)
+            if stats.committed != total:
+                broken.append(f"I6.stats: Stats.committed = {stats.committed} but the outputs "
+                              f"hold {total} tokens")
+        if not broken:
+            return []
+        last = self._history[-1][0] if self._history else 0
+        self._emit(InvariantViolation(make_trace(
+            invariant="I6", step=int(last), phase="commit", rows=[], row_ids=[], slots=[],
+            rules=broken, grid=[], accepted_history=_history_host(self._history),
+            profile=None, k=None, width=None,
+            state={"stats": {n: getattr(stats, n) for n in names}, "views": want},
+            info={}, run=self.run, also=[], source="monitor")))
+        return [self.violations[-1]] if self.violations else []
+
     # -- the end of a run ------------------------------------------------------------------
     def finish(self) -> list[InvariantViolation]:
         return self.check()
@@ -533,9 +571,9 @@ def _history_host(history) -> list[dict]:
     """The accepted-count history on the host, in one transfer."""
     if not history:
         return []
-    flat = torch.cat([torch.cat([r.long(), a.long()]) for _, r, a in history]).tolist()
+    flat = torch.cat([torch.cat([h[1].long(), h[2].long()]) for h in history]).tolist()
     out, at = [], 0
-    for s, r, _ in history:
+    for s, r, *_ in history:
         n = r.shape[0]
         out.append({"step": int(s), "row_ids": flat[at : at + n],
                     "accepted": flat[at + n : at + 2 * n]})

@@ -723,6 +723,20 @@ def _accepted_range(f: Facts):
     return None
 
 
+def _draft_limit_bound(f: Facts) -> torch.Tensor:
+    """[B] long: the most drafts a row may use, min(k, remaining - 1) with remaining the
+    budget left before the step; 0 for a row with no budget left."""
+    v = f.view
+    return (v.budgets - _before(f) - 1).clamp(0, v.k)
+
+
+def _draft_limit_rule(f: Facts):
+    v = f.view
+    if v.draft_limit is None or v.committed is None:
+        return None
+    return (v.draft_limit < 0) | (v.draft_limit > _draft_limit_bound(f))
+
+
 def _longest_prefix(f: Facts):
     v = f.view
     if not (_has_drafts(v) and v.draft_limit is not None):
@@ -748,6 +762,9 @@ I6_COMMIT_RULES = (
         _accepted_rule),
     _i6("I6.drafts_equal", "accepted drafts equal the target's predictions", _COMMIT,
         _drafts_equal),
+    _i6("I6.draft_limit", "0 <= draft_limit <= min(k, remaining - 1) with k = {k} and "
+        "remaining = budget - generated_before: the last budgeted token is never a draft, "
+        "a row with no budget left drafts nothing", _COMMIT, _draft_limit_rule),
     _i6("I6.accepted_range", "0 <= accepted <= draft_limit", _COMMIT, _accepted_range),
     _i6("I6.longest_prefix", "accepted is the longest matching prefix of the drafts", _COMMIT,
         _longest_prefix),
@@ -763,7 +780,8 @@ def _fused_commit(f: Facts) -> torch.Tensor:
         a1 = v.accepted + 1
         wrong = wrong | (m > a1) | ((m < a1) & ~(f.last_stop | f.at_budget))
     bad = bad | (f.active_before & wrong)
-    for rule in (_committed_tokens, _drafts_equal, _accepted_range, _longest_prefix):
+    for rule in (_committed_tokens, _drafts_equal, _draft_limit_rule, _accepted_range,
+                 _longest_prefix):
         r = rule(f)
         if r is not None:
             bad = bad | r
@@ -886,8 +904,8 @@ BIG = 1 << 40
 
 #: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them
 COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "pg", "inactive", "lead", "a_k",
-                    "a_k1", "one", "first_stop", "unknown", "fin", "last", "atb", "at_limit",
-                    "stale", "wrote")
+                    "a_k1", "one", "first_stop", "lim_max", "unknown", "fin", "last", "atb",
+                    "at_limit", "stale", "wrote")
 #: the commit's row rules as linear constraints: each {variable: coefficient} must be
 #: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row)
 COMMIT_CONSTRAINTS = (
@@ -905,6 +923,8 @@ COMMIT_CONSTRAINTS = (
     {"one": "k1", "m": -1, "inactive": BIG},                # committed <= k + 1
     {"a": 1, "one": 1, "m": -1, "inactive": BIG},           # committed <= accepted + 1
     {"m": 1, "a": -1, "one": -1, "inactive": BIG, "last": BIG, "atb": BIG},  # = unless cut
+    {"lim": 1},                                             # 0 <= draft_limit
+    {"lim_max": 1, "lim": -1},                              # draft_limit <= min(k, rem - 1)
     {"a": 1},                                               # 0 <= accepted
     {"lim": 1, "a": -1},                                    # accepted <= draft_limit
     {"lead": 1, "a_k": -1},                                 # drafts before it all match
@@ -968,7 +988,7 @@ def _fused_commit_phase(f: Facts):
         inactive, unknown = inactive * found, ~found
     counts = torch.stack([g, gb, m, a, lim, v.budgets, rows[:, 1], inactive, lead,
                           a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device),
-                          first_stop], dim=1)
+                          first_stop, _draft_limit_bound(f)], dim=1)
     flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, stale.any(dim=1),
                          wrote], dim=1)
     # int64 products on the CPU; float64 elsewhere (exact for counts below 2^52)

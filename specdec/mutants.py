@@ -37,6 +37,13 @@ class Mutant:
     # the mutated function: "eqspec" for the contiguous-profile math, "holes" for the
     # hole profile and compaction
     strategy: str = "eqspec"
+    # the proofs.registry group whose obligations the mutated function breaks, when it is
+    # not the strategy's own (``draft_limit`` is proved in "acceptance")
+    proofs: str | None = None
+
+    @property
+    def proof_group(self) -> str:
+        return self.proofs or self.strategy
 
 
 def _padding_plus_one(orig):
@@ -100,6 +107,14 @@ def _holes_pending_position_plus_one(orig):
     return holes_slot_position
 
 
+def _draft_limit_unclipped(orig):
+    def draft_limit(ops, k, remaining):
+        # clamp(remaining, 0, k): a row with r <= k tokens left may draft r, so its last
+        # budgeted token can be a draft
+        return orig(ops, k, remaining + 1)
+    return draft_limit
+
+
 CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
     Mutant("padding_off_by_one", "new_padding",
            "new left padding is one slot too many (W' - n_new + 1): a real token is masked",
@@ -128,6 +143,9 @@ CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
     Mutant("holes_pending_position_plus_one", "holes_slot_position",
            "after a holes step the new pending token gets position n' (a gap before it)",
            _holes_pending_position_plus_one, ("I3", "I7"), strategy="holes"),
+    Mutant("draft_limit_unclipped", "draft_limit",
+           "drafts clipped to clamp(remaining, 0, k) instead of min(k, remaining - 1)",
+           _draft_limit_unclipped, ("I6",), proofs="acceptance"),
 )}
 
 NAMES = tuple(CATALOGUE)
@@ -136,6 +154,11 @@ NAMES = tuple(CATALOGUE)
 def names(strategy: str) -> tuple:
     """The mutants of one strategy's index math (``Mutant.strategy``)."""
     return tuple(n for n, m in CATALOGUE.items() if m.strategy == strategy)
+
+
+def proved_in(group: str) -> tuple:
+    """The mutants whose counterexamples come from one proof group (``Mutant.proof_group``)."""
+    return tuple(n for n, m in CATALOGUE.items() if m.proof_group == group)
 
 
 @contextlib.contextmanager

@@ -74,19 +74,59 @@ class AcceptedRecorder:
             self.steps.append((view.draft_limit.clone(), view.accepted.clone(), view.committed.clone()))
 
 
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "holes"])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_draft_equal_to_target_accepts_every_draft(family, k):
+def test_draft_equal_to_target_accepts_every_draft(family, k, strategy):
+    # under every strategy: a draft model's cache kept one slot off (EXSPEC's pool written
+    # back late) keeps the outputs exact and shows only here, as drafts rejected
     target, _ = tiny_pair(family)
     prompts, ref = reference(family)
     for drafter in (drafters.ScriptedDrafter(ref), drafters.ModelDrafter(target)):
         rec = AcceptedRecorder()
         res = specdec.generate(target, prompts, drafter=drafter, k=k, batch_size=8,
-                               max_new_tokens=NEW, hooks=[rec])
+                               max_new_tokens=NEW, hooks=[rec], strategy=strategy)
         assert res.sequences == ref
         assert rec.steps
         for limit, accepted, committed in rec.steps:
             assert torch.equal(accepted, limit), (type(drafter).__name__, limit, accepted)
             assert bool(((committed >= 1) & (committed <= k + 1)).all())
+
+
+def test_exspec_draft_pool_written_back_one_slot_late_is_seen_as_rejected_drafts(monkeypatch):
+    # the fault keeps every output exact; only a drafter equal to the target, which must
+    # accept every draft, shows it
+    from specdec.strategies import exspec
+
+    target = models.tiny("llama")
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3], [4, 4, 5]]
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
+    orig = exspec.write_back
+
+    class Late:
+        def __init__(self, real):
+            self.real = real
+
+        def write_back(self, rows, cache, first, dest):
+            self.real.write_back(rows, cache, first, dest + 1)
+
+    def write_back(ctx, state, pool, rows, batch, spec, host):
+        real = pool.draft_kv
+        pool.draft_kv = Late(real)
+        try:
+            return orig(ctx, state, pool, rows, batch, spec, host)
+        finally:
+            pool.draft_kv = real
+
+    def run():
+        return specdec.generate(target, prompts, drafter=drafters.ModelDrafter(target),
+                                strategy="exspec", k=4, batch_size=2, max_new_tokens=12,
+                                stop_token_ids=[])
+
+    res = run()
+    assert res.sequences == ref and res.stats.accepted == res.stats.drafted
+    monkeypatch.setattr(exspec, "write_back", write_back)
+    res = run()
+    assert res.sequences == ref and res.stats.accepted < res.stats.drafted
 
 
 def test_committed_tokens_per_step_are_between_1_and_k_plus_1(family):

@@ -125,18 +125,18 @@ def test_the_engine_sizes_its_buffers_with_the_proved_functions(monkeypatch, str
 
 @pytest.mark.parametrize("name", mutants.NAMES)
 def test_every_mutant_yields_a_counterexample(name):
-    strategy = mutants.CATALOGUE[name].strategy
-    results = proofs.run(3, mutant=name, groups=[strategy])
+    group = mutants.CATALOGUE[name].proof_group
+    results = proofs.run(3, mutant=name, groups=[group])
     cexs = [r for r in results if r.status == "counterexample"]
     assert cexs, f"mutant {name} survived every obligation"
     assert all(r.status in ("proved", "counterexample") for r in results)
-    if strategy == "eqspec":  # forensics.counterexample rebuilds EQSPEC steps only
+    if group == "eqspec":  # forensics.counterexample rebuilds EQSPEC steps only
         assert any(cli.replayable(r.counterexample) for r in cexs)
     else:
         assert not any(cli.replayable(r.counterexample) for r in cexs)
 
 
-@pytest.mark.parametrize("name", mutants.names("eqspec"))
+@pytest.mark.parametrize("name", mutants.proved_in("eqspec"))
 def test_mutant_counterexample_replays_on_the_engine(name):
     from specdec.forensics.counterexample import replay_counterexample
 
