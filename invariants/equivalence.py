@@ -1,4 +1,5 @@
-"""The output-equivalence oracle (I7): compare generated ids with batch-1 greedy decoding.
+"""The output-equivalence oracle (I7): compare generated ids with batch-1 greedy decoding
+(or with batch-1 coupled sampling, ``sampling=``).
 
 ``compare_outputs(model, prompts, outputs)`` compares each row with a reference (given, or
 computed here by ``greedy_reference``: the model's own batch-1 greedy loop, no specdec).
@@ -14,6 +15,11 @@ gap between the top logit and the output's token. Classification:
 
 ``DEFAULT_TOLERANCE = 1e-3``, absolute, in logit units (suitable for fp32; use a larger
 tolerance such as 5e-2 for bf16/fp16 models). Margins are computed in fp32.
+
+Sampling (``sampling=``, see ``StepView.sampling``): in coupled mode the reference is
+plain coupled sampling (the argmax of ``sampling.scores`` at every position, request
+index = the row's index in ``prompts``) and margins and gaps are those of the scores.
+Rejection sampling has no reference (its output is a random sample): refused.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ._hf import greedy_reference, model_device
+from ._hf import choice_scores, greedy_reference, model_device
 
 #: absolute logit tolerance under which a divergence counts as a numerical near-tie
 DEFAULT_TOLERANCE = 1e-3
@@ -91,11 +97,13 @@ def first_divergence(out: Sequence[int], ref: Sequence[int]) -> int | None:
 
 @torch.no_grad()
 def divergence_margin(model, prompt: Sequence[int], ref_prefix: Sequence[int],
-                      token: int | None) -> tuple[float, float | None]:
-    """Teacher-force ``prompt ++ ref_prefix``; return (top-2 margin, gap of ``token``)."""
+                      token: int | None, sampling=None, request: int = 0) -> tuple[float, float | None]:
+    """Teacher-force ``prompt ++ ref_prefix``; return (top-2 margin, gap of ``token``) of
+    the logits (or of the coupled scores of ``request`` there, with ``sampling``)."""
     dev = model_device(model)
     ids = torch.as_tensor(list(prompt) + list(ref_prefix), dtype=torch.long, device=dev)[None]
     logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    logits = choice_scores(logits, sampling, request, len(ref_prefix)).float()
     top = logits.topk(min(2, logits.shape[-1])).values
     margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
     gap = None if token is None or not 0 <= token < logits.shape[-1] else float(top[0] - logits[token])
@@ -103,8 +111,10 @@ def divergence_margin(model, prompt: Sequence[int], ref_prefix: Sequence[int],
 
 
 def classify(model, prompt, out, ref, row: int = 0,
-             tolerance: float = DEFAULT_TOLERANCE) -> RowComparison:
-    """Compare one row (see the module docstring for the classification)."""
+             tolerance: float = DEFAULT_TOLERANCE, sampling=None,
+             request: int | None = None) -> RowComparison:
+    """Compare one row (see the module docstring for the classification); ``request``:
+    the request index the coupled scores are keyed by (default ``row``)."""
     out, ref = [int(t) for t in out], [int(t) for t in ref]
     d = first_divergence(out, ref)
     if d is None:
@@ -113,20 +123,27 @@ def classify(model, prompt, out, ref, row: int = 0,
     actual = out[d] if d < len(out) else None
     margin = gap = None
     if expected is not None:
-        margin, gap = divergence_margin(model, prompt, ref[:d], actual)
+        margin, gap = divergence_margin(model, prompt, ref[:d], actual, sampling,
+                                        row if request is None else request)
     tie = (expected is not None and actual is not None and margin is not None
            and gap is not None and margin <= tolerance and gap <= tolerance)
     return RowComparison(row, "near-tie" if tie else "desync", d, expected, actual, margin, gap)
 
 
 def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens: int | None = None,
-                    stop_token_ids=None, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
-    """Compare ``outputs[i]`` (generated ids of ``prompts[i]``) with batch-1 greedy decoding.
+                    stop_token_ids=None, tolerance: float = DEFAULT_TOLERANCE,
+                    sampling=None) -> Comparison:
+    """Compare ``outputs[i]`` (generated ids of ``prompts[i]``) with batch-1 greedy decoding
+    (or batch-1 coupled sampling: ``sampling``, see the module docstring).
 
     references: the reference ids per prompt; when None they are computed with
     ``greedy_reference`` (then ``max_new_tokens`` is required; ``stop_token_ids`` defaults
     to the model's generation config). ``tolerance``: see ``DEFAULT_TOLERANCE``.
     """
+    if sampling is not None and getattr(sampling, "mode", None) != "coupled":
+        raise ValueError(f"compare_outputs compares with a reference, which exists for greedy "
+                         f"decoding and coupled sampling only, not for sampling mode "
+                         f"{getattr(sampling, 'mode', None)!r}: test the distribution instead")
     if len(outputs) != len(prompts):
         raise ValueError(f"need one output per prompt: {len(outputs)} outputs, {len(prompts)} prompts")
     if references is None:
@@ -134,11 +151,12 @@ def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens:
             raise ValueError("compare_outputs computes the reference itself when references=None: "
                              "pass max_new_tokens (the budget the outputs were generated with)")
         stops = default_stop_ids(model) if stop_token_ids is None else list(stop_token_ids)
-        references = [greedy_reference(model, p, max_new_tokens, stops)[0] for p in prompts]
+        references = [greedy_reference(model, p, max_new_tokens, stops, sampling, i)[0]
+                      for i, p in enumerate(prompts)]
     elif len(references) != len(prompts):
         raise ValueError(f"need one reference per prompt: {len(references)} references, "
                          f"{len(prompts)} prompts")
-    rows = [classify(model, p, o, r, i, tolerance)
+    rows = [classify(model, p, o, r, i, tolerance, sampling)
             for i, (p, o, r) in enumerate(zip(prompts, outputs, references))]
     return Comparison(rows, tolerance)
 

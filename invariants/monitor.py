@@ -26,6 +26,16 @@ Modes (``MODES``):
   within ``near_tie_tolerance`` is recorded in ``near_ties`` and ends the comparison of
   that row instead of raising).
 
+Sampling engines (``view.sampling``). Coupled mode: the view's ``predictions`` are the
+target's coupled choices, so I1-I6 apply unchanged, and deep I7 compares with batch-1
+coupled sampling (the argmax of ``view.sampling.scores``; margins of the scores).
+Rejection mode: I1-I6 apply unchanged to the step's own choices (accepted drafts, then the
+residual or bonus sample): the commit writes exactly them, accepted counts are the longest
+prefix of drafts equal to them, budgets and stops hold. What no step rule can check is
+that the choices follow the target's distribution: I7 is skipped (each run's skip is
+listed in ``unchecked``) and the distribution is tested statistically
+(``specdec.forensics.distribution``).
+
 Cost: a group of rules is not re-run when every tensor it reads is the same object, with
 the same ``_version`` (so not modified in place), as at its last check
 (``skip_unchanged=True``, the default): engines hand the same tokens/valid/positions to
@@ -114,6 +124,7 @@ class Monitor:
         self.remember_rows = remember_rows
         self.violations: list[InvariantViolation] = []
         self.near_ties: list[dict] = []
+        self.unchecked: list[dict] = []  # checks a run's engine left undefined (see above)
         self.calls = 0
         self.runs = 0
         self._reported = 0
@@ -278,7 +289,15 @@ class Monitor:
                                        prev=self._prev, prompts=self._prompts,
                                        history_len=len(self._history)))
         if "I7" in self.invariants and view.phase == "commit" and view.model is not None:
-            self._check_reference(view)
+            s = view.sampling
+            if s is None or getattr(s, "mode", None) == "coupled":
+                self._check_reference(view)
+            elif not any(u["run"] == self.runs for u in self.unchecked):
+                self.unchecked.append({
+                    "run": self.runs, "invariant": "I7",
+                    "reason": f"sampling mode {getattr(s, 'mode', None)!r}: the output is a random "
+                              "sample, equal to no reference; test its distribution instead "
+                              "(specdec.forensics.distribution)"})
 
     def _check_reference(self, view: StepView) -> None:
         ids = view.row_ids.tolist()
@@ -295,13 +314,13 @@ class Monitor:
                 from ._hf import greedy_reference
 
                 self._refs[rid] = greedy_reference(view.model, prompts[b], budgets[b],
-                                                   view.stop_token_ids)
+                                                   view.stop_token_ids, view.sampling, rid)
             ref = self._refs[rid][0]
             o = out[b][: gen[b]]
             if first_divergence(o, ref if fin[b] else ref[: len(o)]) is None:
                 continue
             row = classify(view.model, prompts[b], o, ref if fin[b] else ref[: len(o)], b,
-                           self.near_tie_tolerance)
+                           self.near_tie_tolerance, view.sampling, rid)
             self._diverged.add(rid)  # past a divergence the reference no longer applies
             if row.classification == "near-tie":
                 self.near_ties.append({"step": view.step, "row": b, "row_id": rid,
@@ -310,7 +329,8 @@ class Monitor:
                 continue
             bad_rows.append(b)
             slots.append([row.first_divergence])
-            rules.append(f"output equals the batch-1 greedy reference: {row.describe()} "
+            what = "greedy" if view.sampling is None else "coupled-sampling"
+            rules.append(f"output equals the batch-1 {what} reference: {row.describe()} "
                          f"(tolerance {self.near_tie_tolerance:g}: desync)")
         if bad_rows:
             self._emit(self._build(view, "I7", bad_rows, slots, rules, prev=self._prev,
@@ -412,7 +432,7 @@ class Monitor:
 
     def reset(self) -> None:
         """Forget violations, near-ties and the run state (keeps the configuration)."""
-        self.violations, self.near_ties = [], []
+        self.violations, self.near_ties, self.unchecked = [], [], []
         self.calls = self.runs = self._reported = 0
         self._reset_run()
 

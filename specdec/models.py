@@ -37,8 +37,8 @@ class ModelNotInstalledError(ImportError):
     """The default model's package is missing; the message gives the install command."""
 
 
-def _tiny_config(family: str):
-    common = dict(vocab_size=TINY_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+def _tiny_config(family: str, vocab: int = TINY_VOCAB):
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -81,11 +81,14 @@ def _scale_init(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5) * 2.0)
 
 
-def tiny(family: str, seed: int = 0) -> torch.nn.Module:
-    """A seeded fp32 tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode."""
+def tiny(family: str, seed: int = 0, vocab: int = TINY_VOCAB) -> torch.nn.Module:
+    """A seeded fp32 tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode;
+    ``vocab`` tokens (at least 3: ids 1 and 2 are bos and eos)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _tiny_config(family)
+    from .validation import integer
+
+    cfg = _tiny_config(family, integer(vocab, "tiny model vocab", minimum=3))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -95,9 +98,10 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def tiny_draft(family: str, seed: int = 0, noise: float = 0.03) -> torch.nn.Module:
-    """A draft for ``tiny(family, seed)``: its weights plus seeded relative noise."""
-    model = tiny(family, seed)
+def tiny_draft(family: str, seed: int = 0, noise: float = 0.03,
+               vocab: int = TINY_VOCAB) -> torch.nn.Module:
+    """A draft for ``tiny(family, seed, vocab=vocab)``: its weights plus seeded relative noise."""
+    model = tiny(family, seed, vocab)
     g = torch.Generator().manual_seed(10_000 + seed)
     with torch.no_grad():
         for p in model.parameters():
