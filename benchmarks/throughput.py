@@ -19,6 +19,16 @@ A strategy (a name of ``specdec.strategies.names()``) may carry a value of its f
 option after a colon: ``holes:H`` (hole_threshold H) and ``exspec:N`` (window N). The
 group column is exspec's group rate (share of steps served by a group of equal-length
 rows, without realignment).
+
+Decoding modes (``--modes greedy coupled rejection``): greedy, and sampling with
+``--temperature --top-k --top-p --seed`` in coupled or rejection mode, each with its own
+standard row (plain decoding in that mode, batched). Exact match: against batch-1 greedy
+decoding (greedy), batch-1 plain coupled sampling (coupled); rejection sampling has no
+reference ("-"; its distribution is tested by ``specdec.forensics.distribution``). The
+realign summary is over the rows of the first mode given.
+
+    python benchmarks/throughput.py --modes greedy coupled rejection --temperature 0.7 \
+        --top-k 50 --top-p 0.95 --batch-sizes 8 --drafters ngram scripted:0.6
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
-from specdec import drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec import Sampling, drafters, engine, models, prompts, strategies  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
 
 #: the phases of decode time (prefill aside)
@@ -86,6 +96,9 @@ def strategy_options(spec: str) -> tuple[str, dict]:
     return name, {options[0].name: options[0].type(arg)}
 
 
+MODES = ("greedy", "coupled", "rejection")
+
+
 def phase_shares(seconds: dict) -> dict:
     """Each phase's share of decode time."""
     return shares_of(seconds, DECODE_PHASES)
@@ -101,6 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--strategies", nargs="+", default=["eqspec"])
     ap.add_argument("--drafters", nargs="+", default=["ngram"])
+    ap.add_argument("--modes", nargs="+", default=["greedy"], choices=MODES,
+                    help="decoding modes, each next to the others (default greedy)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling modes (default 1)")
+    ap.add_argument("--top-k", type=int, default=0, help="sampling modes (default 0: no cut)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampling modes (default 1: no cut)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling modes (default 0)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None, help="directory for results.json and PNG plots")
     ap.add_argument("--from-json", default=None, metavar="RESULTS",
@@ -109,7 +128,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
-        summary = realign_summary(data["rows"])
+        first = data["meta"].get("modes", ["greedy"])[0]
+        summary = realign_summary([r for r in data["rows"] if r.get("mode", "greedy") == first])
         print_summary(summary)
         if args.out:
             out = Path(args.out)
@@ -120,6 +140,8 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    samplings = {m: None if m == "greedy" else Sampling(args.temperature, args.top_k, args.top_p,
+                                                       args.seed, m) for m in args.modes}
 
     target, tok = models.resolve(args.model)
     draft_model = models.resolve(args.draft_model)[0] if args.draft_model else None
@@ -136,9 +158,10 @@ def main(argv=None) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    configs = [(b, None, "standard") for b in args.batch_sizes]
-    configs += [(b, d, s) for b in args.batch_sizes for d in args.drafters for s in args.strategies]
-    bar = tqdm(total=len(configs) + 1, desc="benchmark", file=sys.stderr) if tqdm else None
+    configs = [(m, b, None, "standard") for b in args.batch_sizes for m in args.modes]
+    configs += [(m, b, d, s) for b in args.batch_sizes for m in args.modes for d in args.drafters
+                for s in args.strategies]
+    bar = tqdm(total=len(configs) + len(args.modes), desc="benchmark", file=sys.stderr) if tqdm else None
 
     # warm-up: first calls pay for lazy initialisation; keep that out of every figure
     specdec.reference_generate(target, ids[:2], max_new_tokens=4, batch_size=2)
@@ -147,34 +170,42 @@ def main(argv=None) -> int:
         opts.pop("window", None)  # the warm-up batch may be smaller than a given window
         engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=name, k=args.k,
                         batch_size=2, max_new_tokens=4, **opts)
-    t0 = time.perf_counter()
-    reference = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=1)
-    ref_seconds = time.perf_counter() - t0
-    if bar:
-        bar.update(1)
+    references, ref_seconds = {}, {}
+    for mode, smp in samplings.items():  # batch-1 plain decoding in each mode
+        t0 = time.perf_counter()
+        references[mode] = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=1,
+                                                      sampling=smp)
+        ref_seconds[mode] = time.perf_counter() - t0
+        if bar:
+            bar.update(1)
+    reference = references[args.modes[0]]
     ref_tokens = sum(len(s) for s in reference)
     rows = []
-    for b, dspec, strategy in configs:
+    for mode, b, dspec, strategy in configs:
+        smp = samplings[mode]
         if bar:
-            bar.set_postfix_str(f"{strategy} {dspec or ''} batch {b}")
+            bar.set_postfix_str(f"{mode} {strategy} {dspec or ''} batch {b}")
         t0 = time.perf_counter()
         if strategy == "standard":
-            seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=b)
+            seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=b,
+                                              sampling=smp)
             stats = None
         else:
-            drafter = make_drafter(dspec, reference, args.k, vocab, draft_model)
+            drafter = make_drafter(dspec, references[mode], args.k, vocab, draft_model)
             name, opts = strategy_options(strategy)
             if opts.get("window", b) < b:
                 opts["window"] = b
             res = engine.generate(target, ids, drafter=drafter, strategy=name, k=args.k,
-                                  batch_size=b, max_new_tokens=new, **opts)
+                                  batch_size=b, max_new_tokens=new, sampling=smp, **opts)
             seqs, stats = res.sequences, res.stats
         secs = time.perf_counter() - t0
         n = sum(len(s) for s in seqs)
+        exact = None if mode == "rejection" else \
+            sum(a == r for a, r in zip(seqs, references[mode])) / len(ids)
         rows.append({
-            "strategy": strategy, "drafter": dspec, "batch_size": b, "seconds": secs,
+            "mode": mode, "strategy": strategy, "drafter": dspec, "batch_size": b, "seconds": secs,
             "tokens": n, "tokens_per_s": n / secs,
-            "exact_match": sum(a == r for a, r in zip(seqs, reference)) / len(reference),
+            "exact_match": exact,
             "acceptance": stats.acceptance if stats else None,
             "steps": stats.steps if stats else None,
             "phase_seconds": dict(stats.seconds) if stats else None,
@@ -187,19 +218,28 @@ def main(argv=None) -> int:
     if bar:
         bar.close()
 
-    std = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["strategy"] == "standard"}
-    own1 = {(r["strategy"], r["drafter"]): r["tokens_per_s"] for r in rows if r["batch_size"] == 1}
+    std = {(r["mode"], r["batch_size"]): r["tokens_per_s"] for r in rows if r["strategy"] == "standard"}
+    own1 = {(r["mode"], r["strategy"], r["drafter"]): r["tokens_per_s"] for r in rows
+            if r["batch_size"] == 1}
+    greedy_std = {b: v for (m, b), v in std.items() if m == "greedy"}
     for r in rows:
         r["decode_tokens_per_s"] = decode_tokens_per_s(r)
-        r["vs_standard"] = r["tokens_per_s"] / std[r["batch_size"]]
-        base = own1.get((r["strategy"], r["drafter"]))
+        r["vs_standard"] = r["tokens_per_s"] / std[(r["mode"], r["batch_size"])]
+        r["vs_greedy_standard"] = (r["tokens_per_s"] / greedy_std[r["batch_size"]]
+                                   if r["batch_size"] in greedy_std else None)
+        base = own1.get((r["mode"], r["strategy"], r["drafter"]))
         r["vs_own_batch1"] = r["tokens_per_s"] / base if base else None
 
     model_name = args.model or models.DEFAULT_MODEL_NAME
     print(f"model {model_name}, {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens), "
           f"{new} new tokens, k={args.k}, torch threads {torch.get_num_threads()}; "
-          f"batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s")
-    head = (f"{'strategy':<11} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} {'vs b1':>6} "
+          f"batch-1 reference ({args.modes[0]}): {ref_tokens / ref_seconds[args.modes[0]]:.1f} tok/s")
+    if any(s is not None for s in samplings.values()):
+        print(f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
+              f"seed {args.seed}; 'vs std' is against plain decoding in the row's own mode, "
+              "'vs grd' against plain greedy decoding")
+    head = (f"{'mode':<9} {'strategy':<11} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} "
+            f"{'vs grd':>6} {'vs b1':>6} "
             f"{'accept':>6} {'group':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} "
             f"{'exact':>6}")
     print(head)
@@ -209,23 +249,27 @@ def main(argv=None) -> int:
         fmt = lambda x, w=6: f"{x * 100:{w - 1}.1f}%" if x is not None else f"{'-':>{w}}"  # noqa: E731
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         grp = f"{r['group_rate']:.2f}" if r["group_rate"] is not None else "-"
-        print(f"{r['strategy']:<11} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
+        vsg = "-" if r["vs_greedy_standard"] is None else format(r["vs_greedy_standard"], ".2f")
+        exact = "-" if r["exact_match"] is None else f"{r['exact_match'] * 100:.0f}%"
+        print(f"{r['mode']:<9} {r['strategy']:<11} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
               f"{r['tokens_per_s']:>7.1f} "
               f"{'-' if r['decode_tokens_per_s'] is None else format(r['decode_tokens_per_s'], '.1f'):>7} "
-              f"{r['vs_standard']:>6.2f} "
+              f"{r['vs_standard']:>6.2f} {vsg:>6} "
               f"{(r['vs_own_batch1'] or 0):>6.2f} "
               f"{acc:>6} {grp:>6} "
               f"{fmt(sh.get('draft'))} {fmt(sh.get('verify'))} {fmt(sh.get('realign'), 7)} "
-              f"{fmt(sh.get('checks'))} {r['exact_match'] * 100:5.0f}%")
+              f"{fmt(sh.get('checks'))} {exact:>6}")
 
-    summary = realign_summary(rows)
+    summary = realign_summary([r for r in rows if r["mode"] == args.modes[0]])
     print_summary(summary)
 
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"model": model_name, "prompts": len(ids), "max_new_tokens": new, "k": args.k,
-                "threads": torch.get_num_threads(), "reference_tokens_per_s": ref_tokens / ref_seconds}
+                "threads": torch.get_num_threads(), "modes": args.modes,
+                "sampling": {m: s.as_dict() for m, s in samplings.items() if s is not None},
+                "reference_tokens_per_s": ref_tokens / ref_seconds[args.modes[0]]}
         (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "realign_summary": summary}, indent=2))
         plot(rows, out)
         print(f"wrote {out / 'results.json'}, {out / 'throughput.png'}, {out / 'phases.png'}")
@@ -293,10 +337,11 @@ def plot(rows, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r["strategy"], r["drafter"]) for r in rows}, key=str)
-    for s, d in series:
-        pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if (r["strategy"], r["drafter"]) == (s, d))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s if d is None else f"{s} / {d}")
+    key = lambda r: (r.get("mode", "greedy"), r["strategy"], r["drafter"])  # noqa: E731
+    for m, s, d in sorted({key(r) for r in rows}, key=str):
+        pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if key(r) == (m, s, d))
+        label = (s if d is None else f"{s} / {d}") + ("" if m == "greedy" else f" ({m})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens / s")
@@ -304,7 +349,9 @@ def plot(rows, out: Path) -> None:
 
     spec = [r for r in rows if r["phase_shares"]]
     stacked_phase_shares(out / "phases.png",
-                         [f"{r['strategy']}\n{r['drafter']}\nb{r['batch_size']}" for r in spec],
+                         [f"{r['strategy']}\n{r['drafter']}\nb{r['batch_size']}"
+                          + ("" if r.get("mode", "greedy") == "greedy" else f"\n{r['mode']}")
+                          for r in spec],
                          [r["phase_shares"] for r in spec], DECODE_PHASES,
                          ylabel="share of decode time", width_per_bar=0.45, min_width=7,
                          label_size=6)

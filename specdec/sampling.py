@@ -4,12 +4,15 @@
 run samples; ``sampling=None`` everywhere means greedy decoding (the argmax).
 
 The candidate set and the target distribution. ``x = logits / temperature`` (in fp32).
-top-k keeps the tokens whose ``x`` is at least the k-th largest (ties at the boundary
-kept; ``top_k=0``: no cut); top-p then keeps, over the softmax of what top-k left, the
-tokens whose probability is at least that of the last token of the shortest prefix of the
-descending order whose mass reaches ``top_p`` (ties kept together, so the set never
-depends on how a sort orders equal values; the most probable token is always kept).
-``p`` is the softmax of ``x`` over that set (``distribution``, fp64, 0 outside it).
+top-k keeps exactly the k tokens of largest ``x`` (among values equal to the k-th largest,
+the smaller token ids; ``top_k=0``: no cut); top-p then keeps, over the softmax of what
+top-k left, the tokens whose probability is at least that of the last token of the
+shortest prefix of the descending order whose mass reaches ``top_p`` (ties kept together).
+Either way the set is a function of the values, never of how a sort orders equal values;
+the most probable token is always kept. ``p`` is the softmax of ``x`` over that set
+(``distribution``, fp64, 0 outside it). With top-k, only the k candidates are sorted and
+given noise (``candidates``); without it, every token is (on a CPU a sort of a 49152-token
+vocabulary for top-p and its noise cost far more than an argmax; see the README).
 
 Counter-based randomness. Every random number is a hash of (seed, request index,
 output position t, stream[, token id]) computed with integer tensor ops on the logits'
@@ -168,11 +171,11 @@ def uniform(k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
     return (bits.double() + 0.5) * 2.0**-53
 
 
-def gumbel(seed: int, row_ids: torch.Tensor, t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [..., V] fp32 of the coupled stream: ``-log(-log(u))`` in fp64,
-    ``u = (bits + 0.5) / 2**32``, rounded to fp32."""
+def gumbel(seed: int, row_ids: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise of the coupled stream at token ids ``ids`` (broadcast as ``[..., C]``
+    against keys ``[...]``): ``-log(-log(u))`` in fp64, ``u = (bits + 0.5) / 2**32``,
+    rounded to fp32. The noise of a token does not depend on which other ids are asked."""
     k0, k1 = keys(seed, row_ids, t, COUPLED)
-    ids = torch.arange(vocab, device=k0.device)
     u = (token_bits(k0, k1, ids).double() + 0.5) * 2.0**-32
     return (-torch.log(-torch.log(u))).float()
 
@@ -181,13 +184,23 @@ def gumbel(seed: int, row_ids: torch.Tensor, t: torch.Tensor, vocab: int) -> tor
 # The candidate set and the target distribution
 # ---------------------------------------------------------------------------------------
 
-def scaled(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """[..., V] fp32: ``logits / temperature`` with ``-inf`` outside the top-k / top-p set."""
+def candidates(logits: torch.Tensor, s: Sampling):
+    """(ids [..., C] long or None, x [..., C] fp32): the tokens top-k leaves and their
+    ``logits / temperature``, ``-inf`` where top-p drops one. ``C = top_k`` when
+    ``0 < top_k < V`` (then exactly the k largest, ties at the boundary broken toward the
+    smaller token id, so the set is a function of the values alone), else ``C = V`` and
+    ``ids`` is None (every token, in order). Top-p needs a sort of the C values only."""
     x = logits.float() / s.temperature
     vocab = x.shape[-1]
+    ids = None
     if 0 < s.top_k < vocab:
         kth = x.topk(s.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, -math.inf)
+        above = x > kth
+        room = s.top_k - above.sum(dim=-1, keepdim=True)  # how many tied tokens fit
+        tied = x == kth
+        keep = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly top_k per row
+        ids = keep.to(x.dtype).topk(s.top_k, dim=-1).indices  # the kept ids, any order
+        x = x.gather(-1, ids)
     if s.top_p < 1:
         probs = torch.softmax(x.double(), dim=-1)
         ordered = probs.sort(dim=-1, descending=True).values
@@ -195,29 +208,56 @@ def scaled(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         count = (before < s.top_p).sum(dim=-1, keepdim=True)  # >= 1: the top token
         threshold = ordered.gather(-1, count - 1)
         x = x.masked_fill(probs < threshold, -math.inf)
-    return x
+    return ids, x
+
+
+def spread(ids: torch.Tensor | None, values: torch.Tensor, vocab: int, fill: float) -> torch.Tensor:
+    """[..., V]: candidate ``values`` [..., C] at their token ids, ``fill`` elsewhere."""
+    if ids is None:
+        return values
+    out = values.new_full((*values.shape[:-1], vocab), fill)
+    return out.scatter(-1, ids, values)
+
+
+def scaled(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """[..., V] fp32: ``logits / temperature`` with ``-inf`` outside the top-k / top-p set."""
+    ids, x = candidates(logits, s)
+    return spread(ids, x, logits.shape[-1], -math.inf)
 
 
 def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """[..., V] fp64: the sampling distribution ``p`` (softmax over the candidate set)."""
-    return torch.softmax(scaled(logits, s).double(), dim=-1)
+    ids, x = candidates(logits, s)
+    return spread(ids, torch.softmax(x.double(), dim=-1), logits.shape[-1], 0.0)
 
 
 # ---------------------------------------------------------------------------------------
 # Coupled mode
 # ---------------------------------------------------------------------------------------
 
+def _noisy(logits: torch.Tensor, s: Sampling, row_ids: torch.Tensor, t: torch.Tensor):
+    """(ids or None, ``x + G`` at the candidates) (see ``candidates``)."""
+    row_ids, t = torch.broadcast_tensors(row_ids, t)
+    ids, x = candidates(logits, s)
+    at = torch.arange(logits.shape[-1], device=logits.device) if ids is None else ids
+    return ids, x + gumbel(s.seed, row_ids, t, at)
+
+
 def coupled_scores(logits: torch.Tensor, s: Sampling, row_ids: torch.Tensor,
                    t: torch.Tensor) -> torch.Tensor:
-    """[..., V] fp32: ``x + G``, G keyed by (seed, request, t) (see ``Sampling.scores``)."""
-    row_ids, t = torch.broadcast_tensors(row_ids, t)
-    return scaled(logits, s) + gumbel(s.seed, row_ids, t, logits.shape[-1])
+    """[..., V] fp32: ``x + G`` (``-inf`` outside the candidate set), G keyed by (seed,
+    request, t) (see ``Sampling.scores``)."""
+    ids, scores = _noisy(logits, s, row_ids, t)
+    return spread(ids, scores, logits.shape[-1], -math.inf)
 
 
 def coupled_choice(logits: torch.Tensor, s: Sampling, row_ids: torch.Tensor,
                    t: torch.Tensor) -> torch.Tensor:
-    """[...] long: the coupled choice ``argmax(x + G)`` at every position."""
-    return coupled_scores(logits, s, row_ids, t).argmax(dim=-1)
+    """[...] long: the coupled choice ``argmax(x + G)`` at every position (over the
+    top-k candidates only when top-k cuts: the same choice, less noise to compute)."""
+    ids, scores = _noisy(logits, s, row_ids, t)
+    best = scores.argmax(dim=-1)
+    return best if ids is None else ids.gather(-1, best[..., None])[..., 0]
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,9 +50,20 @@ def stop_placements(rows: int, budget: int):
     return st.one_of(st.none(), st.tuples(st.integers(0, rows - 1), st.integers(0, budget - 1)))
 
 
+def samplings(modes=("coupled",)):
+    """A sampling configuration: any 64-bit seed, temperature 0.1 to 1.5, top-k from none
+    to 1 (greedy-like) and top-p from none to 0.3 (shrinking toward no cut)."""
+    from specdec import Sampling
+
+    return st.builds(Sampling, temperature=st.floats(0.1, 1.5),
+                     top_k=st.sampled_from((0, 1, 3, 20)),
+                     top_p=st.one_of(st.just(1.0), st.floats(0.3, 1.0)),
+                     seed=st.integers(0, 2**64 - 1), mode=st.sampled_from(modes))
+
+
 @dataclass
 class Case:
-    """One adversarial workload."""
+    """One adversarial workload (``sampling``: None for greedy decoding)."""
 
     family: str
     lengths: list
@@ -64,6 +75,7 @@ class Case:
     seed: int = 0
     note: dict = field(default_factory=dict)
     strategy: str = "eqspec"
+    sampling: object = None
 
     @property
     def rows(self) -> int:
@@ -73,9 +85,10 @@ class Case:
 @st.composite
 def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows: int = 16,
           max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
-          strategies=None):
+          strategies=None, sampled: bool = False):
     """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts)
-    so that shrinking deletes whole rows; the pattern kind shapes every row's counts."""
+    so that shrinking deletes whole rows; the pattern kind shapes every row's counts.
+    ``sampled``: greedy or coupled sampling (``samplings``), shrinking toward greedy."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
@@ -96,5 +109,6 @@ def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows
 
         strategies = names()
     strategy = draw(st.sampled_from(strategies))
+    sampling = draw(st.one_of(st.none(), samplings())) if sampled else None
     return Case(family, lengths, budget, k, batch_size, pattern, stop, seed, note={"kind": kind},
-                strategy=strategy)
+                strategy=strategy, sampling=sampling)
