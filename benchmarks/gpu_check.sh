@@ -62,7 +62,7 @@ OUT_DIR=${OUT:-benchmarks/out}
 mkdir -p "$OUT_DIR"
 set -o pipefail
 status=0
-"$PY" -m pytest tests/test_invariants_gpu.py -m gpu -q -p no:cacheprovider -rs \
+"$PY" -m pytest tests/test_invariants_gpu.py tests/test_sampling_gpu.py -m gpu -q -p no:cacheprovider -rs \
   2>&1 | tee "$OUT_DIR/gpu_tests.log" || status=1
 "$PY" benchmarks/monitor_overhead.py --model "${MODEL:-tiny:llama}" --device "$DEVICE" \
   --repeats "${REPEATS:-5}" --guard --json "$OUT_DIR/monitor_overhead.json" \

@@ -86,9 +86,10 @@ def tiny(family: str, seed: int = 0, vocab: int = TINY_VOCAB) -> torch.nn.Module
     ``vocab`` tokens (at least 3: ids 1 and 2 are bos and eos)."""
     from transformers import AutoModelForCausalLM
 
-    from .validation import integer
-
-    cfg = _tiny_config(family, integer(vocab, "tiny model vocab", minimum=3))
+    if type(vocab) is not int or vocab < 3:
+        raise ValueError(f"a tiny model's vocab must be an integer >= 3 (ids 1 and 2 are bos "
+                         f"and eos), got {vocab!r}")
+    cfg = _tiny_config(family, vocab)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -33,6 +33,16 @@ def real_model():
     return models.default_model()
 
 
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (long statistical runs) run only with SPECDEC_SLOW=1."""
+    if os.environ.get("SPECDEC_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="a long statistical run: set SPECDEC_SLOW=1 (the slow profile)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 # -- hypothesis profiles: HYPOTHESIS_PROFILE=ci|dev|thorough (default dev; .ci/run uses ci)
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -52,7 +52,8 @@ class Config:
     new_tokens: int = 3
     k: int = 2
     samples: int = 12000
-    batch_size: int = 12000
+    # rows per batch (the Monitor's history rules match rows across views, quadratic in B)
+    batch_size: int = 2000
 
 
 @dataclass
