@@ -32,6 +32,7 @@ import torch
 from . import cache as cache_mod
 from . import layout, validation
 from .batch import RaggedBatch
+from .sampling import draft_choice
 
 
 class Drafter(Protocol):
@@ -82,8 +83,6 @@ class ModelDrafter:
     @torch.no_grad()
     def draft(self, batch: RaggedBatch, k: int, sampling):
         """(drafts [B, k], logits [B, k+1, V] or None when ``sampling`` is None)."""
-        from .sampling import draft_choice
-
         cache = batch.draft_cache
         b, w = batch.tokens.shape
         mask = batch.valid[:, : w - 1]

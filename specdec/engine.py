@@ -85,7 +85,8 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
     prompt i, the stop token included where one ended the row, equal to the target's own
-    greedy decoding. ``stop_token_ids`` defaults to the target's generation config.
+    greedy decoding (``sampling`` None). ``stop_token_ids`` defaults to the target's
+    generation config.
 
     ``sampling``: None (greedy) or ``specdec.Sampling(temperature, top_k, top_p, seed,
     mode)``: request i samples with (seed, i). Mode "coupled": ``sequences`` equal plain

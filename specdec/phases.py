@@ -9,6 +9,10 @@ imports neither the engine nor any strategy. Two objects travel through every ca
 - ``State``: what changes during the run (steps done, the batch index, the layout profile
   the next views carry, the counters in ``Stats``, the strategy's extra view facts).
 
+The verify phase's choice at each position is ``sampling.choose``: the argmax (greedy),
+or when the run samples (``Context.sampling``) the coupled choice or rejection sampling's
+choice; the commit is the same greedy acceptance over it in every case.
+
 After each phase every hook is called as ``hook(phase, view)`` with a read-only
 ``invariants.StepView`` (``RaggedBatch.view``); nothing is built when there are no hooks.
 

@@ -20,7 +20,10 @@ device: no device RNG, no generator state, no upload. Values are held in int64 t
 in ``[0, 2**32)``; each multiplication is of a value below ``2**32`` by a constant below
 ``2**31``, so nothing overflows and the bits are the mathematically defined ones on any
 device, at any batch size and in any schedule (``mix`` runs unchanged on Python ints:
-the tests compare both). The seed of request i is ``(seed, i)`` hashed (``keys``).
+the tests compare both; ``mix`` is a xorshift-multiply bijection whose statistical
+quality the tests check: even bins over seeds, no correlation between neighbouring
+positions or streams, Gumbel moments, sampling frequencies). The seed of request i is
+``(seed, i)`` hashed (``keys``).
 Uniforms: ``(h + 0.5) / 2**32`` (Gumbel noise, from one 32-bit word per token) or a
 53-bit fp64 uniform from the two 32-bit lanes of a key (``uniform``). Gumbel noise is
 ``-log(-log(u))`` computed in fp64 and rounded to fp32: identical on every device unless
@@ -50,7 +53,12 @@ same temperature, top-k and top-p. Samples from a distribution use the inverse C
 residual sample, and the bonus at the end: a rejected draft has ``max(0, p - q) = 0`` at
 itself, so the choice differs from it, and the greedy acceptance rule (longest prefix of
 drafts equal to the choices) gives exactly the accepted count. The output is a sample of
-the target's distribution, not equal to any fixed reference.
+the target's distribution, not equal to any fixed reference. Keys are positions, not
+steps: a position after a rejection is drafted again at the next step with the same keys,
+which is sound because the randomness of positions after the last committed one never
+influenced anything committed (so it is still fresh given the committed output); and so
+the output depends on the request, the seed, the drafter and k, not on the batch or the
+schedule.
 
 Every function is a tensor op over the batch: no loop over rows, no host read.
 """

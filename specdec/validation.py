@@ -505,7 +505,9 @@ def writable_dir(path, what: str) -> Path:
 # ---------------------------------------------------------------------------------------
 
 RUN_FIELDS = ("model", "prompts", "drafter", "strategy", "k", "batch_size", "max_new_tokens",
-              "stop_token_ids", "known_bad", "mutant")
+              "stop_token_ids", "known_bad", "mutant", "sampling")
+#: the fields of a run spec's "sampling" object (``specdec.Sampling``'s, which checks values)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "mode")
 DRAFTER_FIELDS = {"ngram": (), "model": ("model",), "scripted": ("scripts",),
                   "forcing": ("reference", "pattern")}
 
@@ -559,6 +561,14 @@ def run_spec(spec, *, strategy_names=(), known_bad_names=()) -> dict:
         choice(spec.get("strategy", "eqspec"), "run spec 'strategy'", tuple(strategy_names))
     if spec.get("mutant") is not None:
         choice(spec["mutant"], "run spec 'mutant'", mutants.NAMES)
+    smp = spec.get("sampling")
+    if smp is not None:
+        if not isinstance(smp, dict) or set(smp) - set(SAMPLING_FIELDS):
+            raise ValueError(f"run spec 'sampling' must be null or an object with fields among "
+                             f"{', '.join(SAMPLING_FIELDS)}, got {describe(smp)}")
+        if known_bad is not None:
+            raise ValueError("run spec 'sampling' does not apply to a known_bad run (the "
+                             "known-bad engine decodes greedily); remove one of them")
     integer(spec.get("k", 4), "run spec 'k' (drafts per step)", minimum=0)
     integer(spec.get("batch_size", 8), "run spec 'batch_size'", minimum=1)
     integer(spec.get("max_new_tokens", 16), "run spec 'max_new_tokens'", minimum=1)

@@ -70,3 +70,22 @@ def test_the_audit_runs_sampling_engines_and_reports_p_values(tmp_path, capsys):
     assert good["distribution"]["p_value"] >= 1e-3 and good["violations"] == 0
     assert not bad["expected_correct"] and bad["distribution"]["p_value"] < 1e-6
     assert bad["distribution"]["strategy"] == "eqspec"
+
+
+def test_a_run_spec_replays_a_sampling_run_and_refuses_bad_sampling_fields():
+    from specdec.forensics.replay import run_spec
+
+    prompts = random_prompts((4, 9), models.TINY_VOCAB, seed=4)
+    spec = {"model": "tiny:llama", "prompts": prompts, "k": 2, "max_new_tokens": 6,
+            "sampling": {"temperature": 0.8, "seed": 9}}
+    result = run_spec(spec)
+    s = Sampling(temperature=0.8, seed=9)
+    assert not result.violations
+    assert result.sequences == specdec.reference_generate(models.tiny("llama"), prompts,
+                                                          max_new_tokens=6, sampling=s)
+    for bad, error in (({"temp": 1}, ValueError), ({"temperature": 0}, ValueError),
+                       ([0.7], ValueError)):
+        with pytest.raises(error):
+            run_spec({**spec, "sampling": bad})
+    with pytest.raises(ValueError, match="does not apply to a known_bad run"):
+        run_spec({**spec, "known_bad": "drop_bonus"})
