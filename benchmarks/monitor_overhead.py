@@ -1,21 +1,36 @@
 """Cost of checking: specdec.generate with no hooks vs the invariants Monitor (and guard).
 
-All configurations run in one process on the same prompts, interleaved repetition by
-repetition (the order rotates every repetition), so that ratios see the same machine
-noise. Configurations:
+Two settings, side by side in one report:
+
+- ``cheap``: where the model is cheap and each checker op weighs (the CPU proxy of a GPU
+  step): a tiny Llama (``tiny:llama``), 16 prompts of 1-30 random tokens, batch 8, k=4,
+  the n-gram drafter, one torch thread;
+- ``real``: the shipped SmolLM2-135M-Instruct on the built-in prompts (``--model`` picks
+  another: ``llama-1b-random`` is a Llama-3.2-1B-shaped config with random weights, bf16
+  on CUDA, for GPU runs; ``tiny:FAMILY``, a local path or a hub name also work).
+
+Each setting runs every strategy of ``--strategies`` (default EQSPEC and holes) under
+every configuration, interleaved repetition by repetition (the order rotates every
+repetition) so that ratios see the same machine noise:
 
 - ``none``: no hooks (the engine builds no view);
 - ``null-hook``: one hook that does nothing (the engine's own cost of building views);
 - ``fast``, ``strict``: a Monitor in that mode (fast includes its one ``check()``);
-- ``deep`` with ``--deep`` (KV recompute and reference decoding: slow by design);
-- ``guard-fast``, ``guard-strict`` with ``--guard``: guard_model around the target.
+- ``strict-phase``: strict with the per-phase read of before (``read="phase"``);
+- ``guard-fast``, ``guard-strict`` with ``--guard``: guard_model around the target;
+- ``deep`` with ``--deep`` (KV recompute and reference decoding: slow by design).
 
-Prints the median seconds, tokens/s, the overhead against ``none`` and the share of the
-engine's time spent inside hooks; ``--json`` writes the same as JSON. Outputs of every
-configuration are compared with the unchecked run (``identical``).
+Printed per setting and strategy: the median wall seconds and process CPU seconds, the
+overhead of each against ``none`` (wall and CPU: the CPU figure is steadier on a shared
+machine), the share of the engine's time spent inside hooks, and whether the tokens equal
+the unchecked run's (``same``). Then, from one extra run per configuration outside the
+timing, what the checker does per engine step: aten ops dispatched inside the hooks, and
+host reads, uploads and data-dependent shapes seen by ``invariants.testing``.
+``--json`` writes everything. Exit status 1 when any configuration changed the tokens.
 
-    python benchmarks/monitor_overhead.py                       # the real model (SmolLM2)
-    python benchmarks/monitor_overhead.py --model tiny:llama --repeats 3 --device cpu
+    python benchmarks/monitor_overhead.py                          # both settings, CPU
+    python benchmarks/monitor_overhead.py --settings cheap --repeats 15
+    python benchmarks/monitor_overhead.py --model llama-1b-random --device cuda --guard
 """
 
 from __future__ import annotations
@@ -33,7 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants import Monitor, guard_model  # noqa: E402
+from invariants.testing import watch_hook  # noqa: E402
 from specdec import drafters, models, prompts  # noqa: E402
+
+SETTINGS = ("cheap", "real")
+CHEAP_MODEL = "tiny:llama"
+LLAMA_1B = "llama-1b-random"
+#: Llama-3.2-1B's shape (random weights)
+LLAMA_1B_CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       tie_word_embeddings=True, rope_theta=500000.0,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
 
 
 def sync(device: str) -> None:
@@ -41,106 +67,231 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_once(config: str, target, ids, args):
-    """(seconds, sequences, hook seconds) of one generate call under ``config``."""
-    hooks, guard, mon = [], None, None
+def llama_1b_random(device: str, dtype: torch.dtype):
+    """A Llama-3.2-1B-shaped causal LM with seeded random weights (no download)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=dtype)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def random_ids(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def load(setting: str, args):
+    """(name, model, prompt ids, device) of a setting."""
+    if setting == "cheap":
+        name, device = CHEAP_MODEL, "cpu" if args.cheap_on_cpu else args.device
+        model = models.tiny("llama").to(device)
+        return name, model, random_ids(16, 1, 30, models.TINY_VOCAB), device
+    name, device = args.model or models.DEFAULT_MODEL_NAME, args.device
+    if name == LLAMA_1B:
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        model = llama_1b_random(device, dtype)
+        return name, model, random_ids(args.prompts, 16, 256, LLAMA_1B_CONFIG["vocab_size"]), device
+    model, tok = models.resolve(None if name == models.DEFAULT_MODEL_NAME else name)
+    model = model.to(device)
+    if args.dtype:
+        model = model.to(getattr(torch, args.dtype))
+    chosen = prompts.builtin_prompts()[: args.prompts]
+    if tok is not None:
+        ids = prompts.encode(chosen, tok)
+    else:
+        ids = random_ids(args.prompts, 1, 30, models.vocab_size(model))
+    return name, model, ids, device
+
+
+def hooks_for(config: str, target):
+    """(hooks, monitor or None, guard context or None) of a configuration."""
     if config == "null-hook":
-        hooks = [lambda phase, view: None]
-    elif config in ("fast", "strict", "deep"):
+        return [lambda phase, view: None], None, None
+    if config in ("fast", "strict", "deep"):
         mon = Monitor(config)
-        hooks = [mon]
-    elif config.startswith("guard-"):
-        guard = guard_model(target, mode=config.split("-", 1)[1])
-    sync(args.device)
-    t0 = time.perf_counter()
+        return [mon], mon, None
+    if config == "strict-phase":
+        mon = Monitor("strict", read="phase")
+        return [mon], mon, None
+    if config.startswith("guard-"):
+        return [], None, guard_model(target, mode=config.split("-", 1)[1])
+    return [], None, None
+
+
+def run_once(config: str, target, ids, strategy: str, device: str, args, max_new=None):
+    """(wall seconds, CPU seconds, sequences, seconds inside hooks, steps) of one call."""
+    hooks, mon, guard = hooks_for(config, target)
+    kw = dict(drafter=drafters.NGramDrafter(), k=args.k, batch_size=args.batch_size,
+              max_new_tokens=max_new or args.max_new_tokens, strategy=strategy)
+    sync(device)
+    w0, c0 = time.perf_counter(), time.process_time()
     if guard is not None:
         with guard:
-            res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
-                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+            res = specdec.generate(target, ids, **kw)
     else:
-        res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
-                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                               hooks=hooks)
+        res = specdec.generate(target, ids, hooks=hooks, **kw)
         if mon is not None:
-            mon.check()  # fast mode: the run's one host sync belongs to its cost
-    sync(args.device)
-    return time.perf_counter() - t0, res.sequences, res.stats.seconds.get("checks", 0.0)
+            mon.check()  # fast mode: the run's one host read belongs to its cost
+    sync(device)
+    return (time.perf_counter() - w0, time.process_time() - c0, res.sequences,
+            res.stats.seconds.get("checks", 0.0), res.stats.steps)
+
+
+def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | None:
+    """Inside-hook work per engine step of one untimed run: aten ops, reads, uploads and
+    data-dependent shapes (``invariants.testing``); None for configurations without a
+    step hook."""
+    hooks, mon, _ = hooks_for(config, target)
+    if mon is None:
+        return None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    watched = watch_hook(mon)
+
+    def hook(phase, view):
+        with Count():
+            watched(phase, view)
+
+    res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
+                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                           strategy=strategy, hooks=[hook])
+    mon.check()
+    steps = max(res.stats.steps, 1)
+    total = watched.total()
+    most = max((c["read"] for c in watched.per_step().values()), default=0)
+    return {"ops_per_step": Count.ops / steps, "reads_per_step": total["read"] / steps,
+            "most_reads_in_a_step": most, "uploads": total["upload"],
+            "dynamic_shapes": total["dynamic_shape"]}
+
+
+def measure(setting: str, args) -> list[dict]:
+    name, target, ids, device = load(setting, args)
+    if setting == "cheap" or args.threads:
+        torch.set_num_threads(1 if setting == "cheap" else args.threads)
+    configs = ["none", "null-hook", "fast", "strict", "strict-phase"]
+    configs += ["guard-fast", "guard-strict"] if args.guard else []
+    configs += ["deep"] if args.deep else []
+    rows = []
+    for strategy in args.strategies:
+        for c in configs:  # warm-up: lazy initialisation stays out of every figure
+            run_once(c, target, ids[:2], strategy, device, args, max_new=4)
+        wall = {c: [] for c in configs}
+        cpu = {c: [] for c in configs}
+        inside = {c: [] for c in configs}
+        outputs, steps = {}, {}
+        repeats = args.repeats if setting == "cheap" or args.real_repeats is None \
+            else args.real_repeats
+        for rep in range(repeats):
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            for c in order:
+                w, p, seqs, hook_s, n = run_once(c, target, ids, strategy, device, args)
+                wall[c].append(w)
+                cpu[c].append(p)
+                inside[c].append(hook_s)
+                outputs.setdefault(c, seqs)
+                steps[c] = n
+        tokens = sum(len(s) for s in outputs["none"])
+        base_w, base_c = statistics.median(wall["none"]), statistics.median(cpu["none"])
+        for c in configs:
+            mw, mc = statistics.median(wall[c]), statistics.median(cpu[c])
+            row = {"setting": setting, "model": name, "device": device, "repeats": repeats,
+                   "dtype": str(next(target.parameters()).dtype), "strategy": strategy,
+                   "config": c, "median_seconds": mw, "median_cpu_seconds": mc,
+                   "tokens_per_s": tokens / mw, "overhead": mw / base_w - 1.0,
+                   "cpu_overhead": mc / base_c - 1.0,
+                   "hook_share": statistics.median(inside[c]) / mw,
+                   "identical": outputs[c] == outputs["none"], "steps": steps[c],
+                   "tokens": tokens, "seconds": wall[c], "cpu_seconds": cpu[c]}
+            if args.count:
+                row.update(per_step_counts(c, target, ids, strategy, args) or {})
+            rows.append(row)
+    del target
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict], args) -> None:
+    print(f"{sorted({r['repeats'] for r in rows})} interleaved repeats per configuration, k={args.k}, batch "
+          f"{args.batch_size}, {args.max_new_tokens} new tokens, n-gram drafter; overhead = "
+          f"median against 'none' (wall, and process CPU time)")
+    head = (f"{'setting':<7} {'model':<22} {'strategy':<7} {'config':<13} {'wall s':>8} "
+            f"{'overhead':>9} {'cpu ovh':>8} {'in hooks':>9} {'ops/step':>9} {'reads/step':>10} "
+            f"{'same':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ops = f"{r['ops_per_step']:.0f}" if "ops_per_step" in r else "-"
+        reads = f"{r['reads_per_step']:.2f}" if "reads_per_step" in r else "-"
+        print(f"{r['setting']:<7} {r['model'][:22]:<22} {r['strategy']:<7} {r['config']:<13} "
+              f"{r['median_seconds']:>8.3f} {r['overhead'] * 100:>8.1f}% "
+              f"{r['cpu_overhead'] * 100:>7.1f}% {r['hook_share'] * 100:>8.1f}% {ops:>9} "
+              f"{reads:>10} {'yes' if r['identical'] else 'NO':>5}")
+    counted = [r for r in rows if "uploads" in r]
+    if counted:
+        bad = [r for r in counted if r["uploads"] or r["dynamic_shapes"]
+               or (r["config"] == "fast" and r["reads_per_step"])]
+        print("inside the hooks: " + ("no upload, no data-dependent shape, fast reads nothing"
+                                      if not bad else
+                                      "TRANSFERS: " + ", ".join(f"{r['setting']}/{r['strategy']}/"
+                                                                f"{r['config']}" for r in bad)))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", default="cheap,real",
+                    help="comma-separated: cheap (tiny Llama, one thread), real (--model)")
     ap.add_argument("--model", default=None,
-                    help="default: SmolLM2-135M-Instruct (specdec.models.default_model); "
-                         "or tiny:FAMILY, a local path or hub name")
+                    help=f"the real setting's model: default SmolLM2-135M-Instruct; "
+                         f"{LLAMA_1B} (Llama-3.2-1B shape, random weights, bf16 on CUDA); "
+                         f"tiny:FAMILY, a local path or hub name")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--cheap-on-cpu", action="store_true",
+                    help="run the cheap setting on the CPU even when --device is cuda")
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
+                    help="the real setting's dtype (llama-1b-random: bf16 on CUDA)")
+    ap.add_argument("--strategies", default="eqspec,holes")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts of the real setting")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--deep", action="store_true", help="also time deep mode")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--real-repeats", type=int, default=None,
+                    help="repeats of the real setting (default --repeats): a real model's "
+                         "step is long, and its overhead small")
     ap.add_argument("--guard", action="store_true", help="also time guard_model (fast, strict)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--deep", action="store_true", help="also time deep mode")
+    ap.add_argument("--no-count", dest="count", action="store_false",
+                    help="skip the untimed per-step op and transfer counts")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (real setting)")
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    target, tok = models.resolve(args.model)
-    target = target.to(args.device)
-    if args.dtype:
-        target = target.to(getattr(torch, args.dtype))
-    chosen = prompts.builtin_prompts()[: args.prompts]
-    if tok is not None:
-        ids = prompts.encode(chosen, tok)
-    else:
-        vocab = models.vocab_size(target)
-        g = torch.Generator().manual_seed(0)
-        ids = [torch.randint(3, vocab, (max(1, p.word_count() // 4),), generator=g).tolist()
-               for p in chosen]
-
-    configs = ["none", "null-hook", "fast", "strict"]
-    configs += ["deep"] if args.deep else []
-    configs += ["guard-fast", "guard-strict"] if args.guard else []
-    for c in configs:  # warm-up: lazy initialisation stays out of every figure
-        run_once(c, target, ids[:2], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}))
-    times = {c: [] for c in configs}
-    hook_times = {c: [] for c in configs}
-    outputs = {}
-    for rep in range(args.repeats):
-        order = configs[rep % len(configs):] + configs[: rep % len(configs)]
-        for c in order:
-            secs, seqs, hook_secs = run_once(c, target, ids, args)
-            times[c].append(secs)
-            hook_times[c].append(hook_secs)
-            outputs.setdefault(c, seqs)
-    tokens = sum(len(s) for s in outputs["none"])
-    base = statistics.median(times["none"])
+    settings = [s for s in args.settings.split(",") if s]
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad:
+        ap.error(f"unknown settings {bad}; expected some of {SETTINGS}")
+    args.strategies = [s for s in args.strategies.split(",") if s]
     rows = []
-    for c in configs:
-        med = statistics.median(times[c])
-        rows.append({"config": c, "median_seconds": med, "tokens_per_s": tokens / med,
-                     "overhead": med / base - 1.0,
-                     "hook_share": statistics.median(hook_times[c]) / med,
-                     "identical": outputs[c] == outputs["none"], "seconds": times[c]})
-
-    name = args.model or models.DEFAULT_MODEL_NAME
-    print(f"model {name} on {args.device} ({next(target.parameters()).dtype}), {len(ids)} prompts, "
-          f"batch {args.batch_size}, {args.max_new_tokens} new tokens, k={args.k}, "
-          f"{args.repeats} repeats, {tokens} tokens per run")
-    head = f"{'config':<13} {'median s':>9} {'tok/s':>8} {'overhead':>9} {'in hooks':>9} {'same':>5}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['config']:<13} {r['median_seconds']:>9.4f} {r['tokens_per_s']:>8.1f} "
-              f"{r['overhead'] * 100:>8.1f}% {r['hook_share'] * 100:>8.1f}% "
-              f"{'yes' if r['identical'] else 'NO':>5}")
+    for s in settings:
+        rows += measure(s, args)
+    report(rows, args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {k: v for k, v in vars(args).items() if k != "json"}
-        meta.update(model=name, tokens=tokens, torch=torch.__version__)
+        meta.update(torch=torch.__version__)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0 if all(r["identical"] for r in rows) else 1

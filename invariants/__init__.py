@@ -5,7 +5,9 @@ This package never imports ``specdec``: any engine builds a ``StepView`` and cal
 Public names: ``Monitor`` (a step hook checking I1-I7), ``guard_model`` (checks every
 forward of a Hugging Face causal LM), ``InvariantViolation`` (the counterexample trace),
 ``compare_outputs`` (the output-equivalence oracle), ``StepView``/``ForwardRecord`` (what
-an engine hands over).
+an engine hands over), ``MODES``. Submodules: ``rules`` (the rules as records),
+``testing`` (``no_host_transfers``: a CPU detector of host reads, uploads and
+data-dependent shapes, for proving a step hook GPU-safe).
 
 Names are resolved lazily (PEP 562): ``import invariants`` stays cheap (no torch import),
 which the pytest plugin relies on, since pytest loads it for every session.
@@ -17,7 +19,7 @@ import importlib
 
 _EXPORTS = {
     "StepView": "view", "ForwardRecord": "view", "PHASES": "view", "PROFILES": "view",
-    "Monitor": "monitor", "MODES": "monitor",
+    "Monitor": "monitor", "MODES": "modes", "READS": "modes",
     "guard_model": "guard", "Guard": "guard",
     "InvariantViolation": "trace", "TRACE_VERSION": "trace",
     "compare_outputs": "equivalence", "Comparison": "equivalence",

@@ -1,9 +1,15 @@
 """Small Hugging Face helpers shared by the deep checks, the oracle and the guard.
 
-Tested against transformers 5.24: a causal LM's forward takes its cache as ``cache=``
-(``past_key_values=`` is the deprecated name, still accepted); ``DynamicCache()`` built
-without a config holds every token of every layer (no sliding-window eviction), which is
-what a clean reference prefill needs.
+Tested against transformers 5.24 and 4.51 (CI runs the checker's tests on both):
+
+- 5.24: a causal LM's forward takes its cache as ``cache=`` (``past_key_values=`` is the
+  deprecated name, still accepted); a ``Cache`` holds ``layers`` with ``keys``/``values``;
+- 4.51: the keyword is ``past_key_values=``; ``DynamicCache`` keeps ``key_cache`` and
+  ``value_cache`` lists, read here through the same ``keys``/``values``/``get_seq_length``
+  interface (``_ListLayer``).
+
+``DynamicCache()`` built without a config holds every token of every layer (no
+sliding-window eviction), which is what a clean reference prefill needs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class _ListLayer:
+    """One layer of a transformers 4.x ``DynamicCache`` (``key_cache``/``value_cache``
+    lists) with the 5.x layer interface the checker reads."""
+
+    def __init__(self, keys, values):
+        self.keys = keys if isinstance(keys, torch.Tensor) else None
+        self.values = values if isinstance(values, torch.Tensor) else None
+
+    def get_seq_length(self) -> int:
+        k = self.keys
+        return int(k.shape[-2]) if k is not None and k.dim() >= 2 and k.numel() else 0
+
+
 def cache_layers(cache) -> list:
     """The self-attention layers of a transformers ``Cache`` (empty when unknown)."""
     if cache is None:
@@ -26,7 +45,10 @@ def cache_layers(cache) -> list:
     inner = getattr(cache, "self_attention_cache", None)  # EncoderDecoderCache
     if inner is not None:
         cache = inner
-    return list(getattr(cache, "layers", []) or [])
+    layers = getattr(cache, "layers", None)
+    if layers is None and isinstance(getattr(cache, "key_cache", None), list):  # 4.x
+        return [_ListLayer(k, v) for k, v in zip(cache.key_cache, cache.value_cache)]
+    return list(layers or [])
 
 
 def cache_lengths(cache) -> list[int]:

@@ -27,9 +27,12 @@ padding, positions that count padded or rejected slots, a mask not extended for 
 tokens, a cache not cropped after a rejection, a cache cropped to the batch minimum while
 some rows keep more tokens.
 
-Modes: ``off`` (no hooks), ``fast`` (device flags, one host read when the block exits or
-at ``guard.check()``), ``strict`` and ``deep`` (read after each forward and raise
-``InvariantViolation`` before the forward runs). 4-D masks (prepared by the caller) are
+Modes (``invariants.modes``): ``off`` (no hooks), ``fast`` (device flags: no host read,
+upload or data-dependent shape inside the hook; one host read when the block exits or at
+``guard.check()``), ``strict`` and ``deep`` (one read per forward; raise
+``InvariantViolation`` before the forward runs). The rules are records
+(``rules.GUARD_RULES``): a failure known on the host (a shape, a cache length) raises at
+once in every mode. 4-D masks (prepared by the caller) are
 not interpreted: only the cache checks and, with explicit positions and no mask, I3 run.
 The hook is removed when the block exits, also after an exception. There is no forward
 (post) hook: a cache may be advanced by its owner after the forward returns (specdec's
@@ -40,64 +43,39 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from ._hf import cache_batch_sizes, cache_lengths
-from .predicates import forward_position_slots, valid_before
+from .checker import Checker, Entry
+from .modes import MODES
+from .rules import GUARD_RULES, ForwardFacts, slot_rule
 from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
+from .predicates import valid_before
 
-MODES = ("off", "fast", "strict", "deep")
-
+#: the sentences of the guard's rules, by name (kept for callers that match on them)
 RULE_UNIFORM = "every cache layer has the same length"
 RULE_CACHE_BATCH = "every cache layer has the batch size of the inputs"
 RULE_CACHE_POSITION = "cache_position = cache length + arange(new tokens)"
 RULE_MASK_WIDTH = "the 2-D attention mask has width cache length + new tokens"
 RULE_MASK_BATCH = "the attention mask has one row per input row"
-RULE_POS_EXPLICIT = ("the position_ids of every valid new token = number of valid mask "
-                     "slots before it")
-RULE_POS_IMPLICIT = ("positions left implicit: the model uses cache length + arange(new "
-                     "tokens), which must equal the number of valid mask slots before each "
-                     "new token (it does not with padding or holes: pass position_ids)")
-RULE_POS_NO_MASK = ("without an attention mask every slot is valid, so position_ids must be "
-                    "cache length + arange(new tokens)")
+RULE_POS_EXPLICIT, RULE_POS_IMPLICIT, RULE_POS_NO_MASK = (r.sentence for r in GUARD_RULES[5:])
 
 
-@dataclass
-class _Forward:
-    """What one guarded forward looked like (host ints, device tensors by reference)."""
-
-    index: int
-    batch: int
-    q: int
-    cache_len: int
-    mask: torch.Tensor | None  # [B, C + q] as given (2-D only)
-    positions: torch.Tensor | None  # [B or 1, q] the positions the model uses
-    implicit: bool
-
-
-class Guard:
+class Guard(Checker):
     """The state of one ``guard_model`` block: ``violations``, ``forwards``, ``check()``."""
 
     def __init__(self, model: torch.nn.Module, mode: str = "strict", *,
                  raise_on_violation: bool = True, run: dict | None = None,
                  max_violations: int = 100):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        super().__init__(mode, raise_on_violation=raise_on_violation, run=run,
+                         max_violations=max_violations)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"guard_model needs a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.mode = mode
-        self.raise_on_violation = raise_on_violation
-        self.run = dict(run or {})
-        self.max_violations = max_violations
-        self.violations: list[InvariantViolation] = []
         self.forwards = 0
         self._handles: list = []
-        self._pending: list = []  # fast: (forward, keys, masks [P, B], flags [P])
         self._sig = inspect.signature(model.forward)
-        self._reported = 0
 
     # -- installation ------------------------------------------------------------------
     def install(self) -> "Guard":
@@ -127,14 +105,15 @@ class Guard:
                 out[name] = value
         return out
 
-    def _pre(self, module, args, kwargs):
+    def facts(self, args, kwargs) -> ForwardFacts | None:
+        """What one forward's arguments say (host facts and device tensors), or None when
+        there are no token inputs to check."""
         a = self._arguments(args, kwargs)
         ids, emb = a.get("input_ids"), a.get("inputs_embeds")
         src = ids if ids is not None else emb
         if src is None or src.dim() < 2:
             return None
         b, q = int(src.shape[0]), int(src.shape[1])
-        dev = src.device
         cache = a.get("cache")
         if cache is None:
             cache = a.get("past_key_values")
@@ -142,124 +121,83 @@ class Guard:
             cache = None  # legacy tuples are not interpreted
         lengths = cache_lengths(cache)
         c = lengths[0] if lengths else 0
-        index = self.forwards
-        self.forwards += 1
-
-        host: list = []  # (invariant, rule) broken, known on the host
-        dev_rules: list = []  # (invariant, rule, [B] mask)
-        if len(set(lengths)) > 1:
-            host.append(("I1", f"{RULE_UNIFORM} (layer lengths {lengths})"))
-        sizes = cache_batch_sizes(cache)
-        if any(s != b for s in sizes):
-            host.append(("I1", f"{RULE_CACHE_BATCH} ({b}; layers have {sorted(set(sizes))})"))
         cpos = a.get("cache_position")
-        if isinstance(cpos, torch.Tensor):
-            want = torch.arange(q, device=cpos.device) + c
-            if cpos.shape[-1] != q:
-                host.append(("I1", RULE_CACHE_POSITION))
-            else:
-                dev_rules.append(("I1", RULE_CACHE_POSITION,
-                                  (cpos.reshape(-1, q) != want).any(dim=1).expand(b)))
         mask = a.get("attention_mask")
-        mask2d = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            if mask.shape[1] != c + q:
-                host.append(("I4", f"{RULE_MASK_WIDTH}: got {mask.shape[1]}, cache length "
-                                   f"{c} + {q} new tokens = {c + q}"))
-            elif mask.shape[0] != b:
-                host.append(("I4", f"{RULE_MASK_BATCH}: {mask.shape[0]} rows for {b}"))
-            else:
-                mask2d = mask
+        mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 \
+            and mask.shape[1] == c + q and mask.shape[0] == b else None
         pos = a.get("position_ids")
         implicit = pos is None
         if implicit:
-            pos = (torch.arange(q, device=dev) + c)[None, :]
+            pos = (torch.arange(q, device=src.device) + c)[None, :]
         elif not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] != q:
             pos = None  # 3-D (multimodal rope) or odd shapes: not interpreted
-        if pos is not None and mask2d is not None:
-            bad = forward_position_slots(mask2d, pos, c)
-            dev_rules.append(("I3", RULE_POS_IMPLICIT if implicit else RULE_POS_EXPLICIT,
-                              bad.any(dim=1)))
-        elif pos is not None and mask is None and not implicit:
-            want = torch.arange(q, device=pos.device) + c
-            dev_rules.append(("I3", RULE_POS_NO_MASK, (pos != want).any(dim=1).expand(b)))
+        return ForwardFacts(b, q, lengths, cache_batch_sizes(cache),
+                            cpos if isinstance(cpos, torch.Tensor) else None,
+                            mask, mask2d, pos,
+                            implicit, src.device)
 
-        record = _Forward(index, b, q, c, mask2d, pos, implicit)
+    def _pre(self, module, args, kwargs):
+        ff = self.facts(args, kwargs)
+        if ff is None:
+            return None
+        index = self.forwards
+        self.forwards += 1
+        host = [r for r in GUARD_RULES if r.host is not None and r.host(ff)]
         if host:
-            self._emit(self._build(record, host[0][0], list(range(b)), [h[1] for h in host
-                                                                         if h[0] == host[0][0]]))
-        if dev_rules:
-            keys = [(i, r) for i, r, _ in dev_rules]
-            masks = torch.stack([m for _, _, m in dev_rules])
-            if self.mode == "fast":
-                self._pending.append((record, keys, masks, masks.any(dim=1)))
-            else:
-                flags = masks.any(dim=1).tolist()  # the one host read of the forward
-                if any(flags):
-                    self._report(record, keys, masks, flags)
+            inv = host[0].invariant
+            self._emit(self._build(ff, index, inv, list(range(ff.b)),
+                                   [r for r in host if r.invariant == inv]))
+        named, masks = [], []
+        for r in GUARD_RULES:
+            m = r.mask(ff) if r.mask is not None else None
+            if m is not None:
+                named.append(r)
+                masks.append(m)
+        if masks:
+            self._pending.append(Entry(masks, context={"facts": ff, "index": index,
+                                                       "rules": named}))
+            if self.mode != "fast":
+                self.read()  # the one host read of the forward
         return None
 
     # -- reporting -----------------------------------------------------------------------
-    def _report(self, record, keys, masks, flags) -> None:
-        failing = [i for i, f in enumerate(flags) if f]
-        inv = keys[failing[0]][0]
-        mine = [i for i in failing if keys[i][0] == inv]
-        rows_mask = masks[mine].any(dim=0).tolist()
-        rows = [r for r, x in enumerate(rows_mask) if x]
-        self._emit(self._build(record, inv, rows, [keys[i][1] for i in mine]))
+    def report(self, entry: Entry, rows: list) -> None:
+        ctx = entry.context
+        failing = [(r, m) for r, m in zip(ctx["rules"], rows) if any(m)]
+        inv = failing[0][0].invariant
+        mine = [(r, m) for r, m in failing if r.invariant == inv]
+        bad = [b for b in range(ctx["facts"].b) if any(m[b] for _, m in mine)]
+        self._emit(self._build(ctx["facts"], ctx["index"], inv, bad, [r for r, _ in mine]))
 
-    def _build(self, rec: _Forward, inv: str, rows, rules) -> InvariantViolation:
-        slots, grid = [], []
+    def _build(self, ff: ForwardFacts, index: int, inv: str, rows, rules) -> InvariantViolation:
+        slots, grid = [[] for _ in rows], []
+        rule = slot_rule(rules)
         try:
-            if rec.mask is not None and rec.positions is not None:
-                mask = rec.mask.bool()
-                pos = rec.positions.expand(rec.batch, -1)
-                bad = forward_position_slots(mask, pos, rec.cache_len).tolist()
-                slots = [[rec.cache_len + j for j, x in enumerate(bad[r]) if x] for r in rows]
-                m = mask.tolist()
-                p = pos.tolist()
-                want = valid_before(mask).tolist()
-                c = rec.cache_len
-                for r, s in list(zip(rows, slots))[:MAX_GRID_ROWS]:
-                    columns = grid_window(len(m[0]), s)
+            s = rule.slots(ff) if rule is not None else None
+            if s is not None:
+                host = s.tolist()
+                slots = [[j for j, x in enumerate(host[r]) if x] for r in rows]
+                m = ff.mask2d.bool().tolist()
+                p = ff.positions.expand(ff.b, -1).tolist()
+                want = valid_before(ff.mask2d.bool()).tolist()
+                c = ff.c
+                for r, sl in list(zip(rows, slots))[:MAX_GRID_ROWS]:
+                    columns = grid_window(len(m[0]), sl)
                     grid.append(grid_row(f"row {r}", {
                         "mask": ["#" if x else "." for x in m[r]],
                         "pos": [None] * c + p[r],
                         "want": [w if (j >= c and m[r][j]) else None for j, w in enumerate(want[r])],
-                    }, s, columns))
-            else:
-                slots = [[] for _ in rows]
+                    }, sl, columns))
         except Exception:  # the grid is an aid; never hide the violation behind it
             slots, grid = [[] for _ in rows], []
+        words = ff.words()
         trace = make_trace(
-            invariant=inv, step=rec.index, phase="forward", rows=rows, slots=slots, rules=rules,
-            grid=grid, width=None, run=self.run, source="guard",
-            state={"cache_length": rec.cache_len, "new_tokens": rec.q, "batch": rec.batch,
-                   "positions_implicit": rec.implicit,
-                   "model": type(self.model).__name__})
+            invariant=inv, step=index, phase="forward", rows=rows, slots=slots,
+            rules=[r.text(**words) for r in rules], grid=grid, width=None, run=self.run,
+            source="guard",
+            state={"cache_length": ff.c, "new_tokens": ff.q, "batch": ff.b,
+                   "positions_implicit": ff.implicit, "model": type(self.model).__name__})
         return InvariantViolation(trace)
-
-    def _emit(self, violation: InvariantViolation) -> None:
-        if len(self.violations) < self.max_violations:
-            self.violations.append(violation)
-        if self.raise_on_violation:
-            self._reported = len(self.violations)
-            raise violation
-
-    # -- the end -------------------------------------------------------------------------
-    def check(self) -> list[InvariantViolation]:
-        """Fast mode: read the pending flags (one host transfer) and raise the first
-        violation; with ``raise_on_violation=False`` return every violation."""
-        pending, self._pending = self._pending, []
-        if pending:
-            flat = torch.cat([p[3] for p in pending]).tolist()
-            at = 0
-            for record, keys, masks, _ in pending:
-                flags = flat[at : at + len(keys)]
-                at += len(keys)
-                if any(flags):
-                    self._report(record, keys, masks, flags)
-        return list(self.violations)
 
 
 @contextmanager
@@ -276,3 +214,6 @@ def guard_model(model: torch.nn.Module, mode: str = "strict", *, raise_on_violat
         guard.check()
     finally:
         guard.remove()
+
+
+__all__ = ["MODES", "Guard", "guard_model"]

@@ -7,24 +7,28 @@ Modes (``MODES``):
 
 - ``off``: does nothing.
 - ``fast``: the cheap invariants (I1-I4, I6) run as tensor ops on the view's device; each
-  phase reduces them to a few flags kept on the device. Nothing is read back until
-  ``check()`` (also ``finish()``, the end of a ``with monitor:`` block, or the next run's
-  prefill), which performs the one host sync of the run and raises the first violation.
-  The engine only calls hooks and cannot tell the monitor that it finished, so call
-  ``check()`` after ``generate`` returns, or use the context manager::
+  phase leaves a few ``[B]`` masks on the device. Inside a hook nothing is read back,
+  uploaded or sized by data (``invariants.testing.no_host_transfers`` proves it on a CPU).
+  The masks are read at ``check()`` (also ``finish()``, the end of a ``with monitor:``
+  block, or the next run's prefill): the one host read of the run, which raises the first
+  violation. The engine only calls hooks and cannot tell the monitor that it finished,
+  so call ``check()`` after ``generate`` returns, or use the context manager::
 
       with invariants.Monitor("fast") as m:
           specdec.generate(model, prompts, hooks=[m])   # raises at the end of the block
 
-- ``strict``: the same checks, one host read per phase; raises ``InvariantViolation`` at
-  the failing phase, inside the engine.
+- ``strict``: the same checks, read back once per engine step: every phase's masks stay
+  on the device until the step ends, then one host read raises ``InvariantViolation``
+  naming the first failing phase, inside the engine. ``read="phase"`` reads after every
+  phase instead (one read per phase; the engine stops at the failing phase itself).
 - ``deep``: strict plus I5 (each row's K/V recomputed by a clean batch-1 prefill, compared
   with allclose at every valid cache slot, at the prefill, verify and realign phases;
   tolerances ``predicates.KV_TOLERANCE`` unless ``kv_atol``/``kv_rtol`` are given) and I7
   (after every commit, each row's output so far must be a prefix of the target's batch-1
   greedy reference, computed here; a divergence whose reference margin is a near-tie
   within ``near_tie_tolerance`` is recorded in ``near_ties`` and ends the comparison of
-  that row instead of raising).
+  that row instead of raising). Pending cheap flags are read before a deep violation is
+  raised, so the first failing phase is still the one reported.
 
 Sampling engines (``view.sampling``). Coupled mode: the view's ``predictions`` are the
 target's coupled choices, so I1-I6 apply unchanged, and deep I7 compares with batch-1
@@ -36,12 +40,20 @@ that the choices follow the target's distribution: I7 is skipped (each run's ski
 listed in ``unchecked``) and the distribution is tested statistically
 (``specdec.forensics.distribution``).
 
-Cost: a group of rules is not re-run when every tensor it reads is the same object, with
-the same ``_version`` (so not modified in place), as at its last check
+When a step ends: views carry ``step``, the verify steps completed before the phase, so
+the views of step ``s`` are the prefill (or the realign that opens the step), draft,
+verify and commit. The commit view ends the step: strict mode reads there. A view whose
+step differs from the pending ones' (an engine that emits no commit view) and the end
+of the run (``check()``, the next run's prefill) read what is left.
+
+Cost: the rules are records (``rules.py``) in groups that read the same tensors; each
+group runs as one fused tensor expression (the OR of its rules) and is named rule by rule
+only when it flags a row. A group is not re-run when every tensor it reads is the same
+object, with the same ``_version`` (so not modified in place), as at its last check
 (``skip_unchanged=True``, the default): engines hand the same tokens/valid/positions to
-draft, verify and commit, which then cost a few kernels. At commit the row tokens (still
-those of before the commit) are not compared with prompt ++ output again; the commit rules
-check what it appends and the realign phase checks the tokens.
+draft, verify and commit, and the same output to commit and realign. At commit the row
+tokens (still those of before the commit) are not compared with prompt ++ output again;
+the commit rules check what it appends and the realign phase checks the tokens.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
@@ -49,60 +61,97 @@ of every step are kept (``accepted_history``), and the ``run`` dict given at con
 is attached to every trace so that the run can be replayed.
 
 A new run starts at a ``prefill`` view with ``step == 0`` and ``info["batch_index"]`` 0
-(or absent): the monitor then finishes the previous run (fast mode: its pending flags are
-read, and a violation raises there) and resets its per-run state.
+(or absent): the monitor then finishes the previous run (its pending flags are read, and
+a violation raises there) and resets its per-run state.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import operator
+from collections import Counter
 
 import torch
 
 from . import predicates as P
+from . import rules as R
+from .checker import Checker, Entry
 from .equivalence import DEFAULT_TOLERANCE, classify, first_divergence
+from .modes import MODES, READS
 from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
 from .view import PHASES, StepView
 
-MODES = ("off", "fast", "strict", "deep")
 #: phases at which deep mode recomputes the KV cache (draft and commit see the same cache)
 KV_PHASES = ("prefill", "verify", "realign")
 
 
-@dataclass
-class _Pending:
-    """One phase checked in fast mode: the flags stay on the device until ``check``."""
-
-    view: StepView
-    keys: list  # [(invariant, rule)]
-    masks: torch.Tensor  # [P, B] bool
-    flags: torch.Tensor  # [P] bool
-    prev: object
-    prompts: object
-    history_len: int
+#: names in a group's ``reads`` that are monitor state, not view fields
+_STATE_NAMES = ("prev", "prompts", "stops", "is_commit", "is_prefill")
+_SIMPLE = (str, int, bool, tuple, type(None))
 
 
-class Monitor:
+def _reader(names: tuple):
+    """A function (view, facts) -> the values ``names`` stand for (see ``Facts.dep``),
+    view fields read by one ``attrgetter``."""
+    fields = [n for n in names if n not in _STATE_NAMES]
+    state = [n for n in names if n in _STATE_NAMES]
+    get = operator.attrgetter(*fields) if fields else (lambda v: ())
+    if len(fields) == 1:
+        one = get
+        get = lambda v: (one(v),)  # noqa: E731
+    if not state:
+        return lambda view, facts: get(view)
+    return lambda view, facts: get(view) + tuple(facts.dep(n) for n in state)
+
+
+def _versions(values):
+    """Each tensor's version counter (None for other values); None when a tensor keeps
+    none (inference tensors: always re-checked)."""
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            try:
+                out.append(x._version)
+            except RuntimeError:
+                return None
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _same(old, values, versions) -> bool:
+    """``values``/``versions`` are those remembered in ``old``: the same objects (or
+    equal plain values), unmodified."""
+    if old is None or versions is None or old[1] is None or old[1] != versions:
+        return False
+    for a, b in zip(old[0], values):
+        if a is not b and not (type(a) in _SIMPLE and type(a) is type(b) and a == b):
+            return False
+    return True
+
+
+class Monitor(Checker):
     """A step hook checking I1-I7; see the module docstring for modes and costs.
 
     ``Monitor(mode="strict", *, raise_on_violation=True, run=None, invariants=None,
     kv_atol=None, kv_rtol=None, near_tie_tolerance=1e-3, max_violations=100,
-    skip_unchanged=True, remember_rows=256)``; ``invariants`` restricts the checks to a
-    subset of ``("I1", ..., "I7")``. ``remember_rows``: how many requests' prompts and
-    outputs the I6 history rules remember across views (the newest; at least the batch),
-    so a scheduler that serves a different group of a larger pool each step (EXSPEC) is
-    checked on every row it has served, not only the previous view's.
+    skip_unchanged=True, remember_rows=256, read="step")``; ``invariants`` restricts the
+    checks to a subset of ``("I1", ..., "I7")``. ``remember_rows``: how many requests'
+    prompts and outputs the I6 history rules remember across views (the newest; at least
+    the batch), so a scheduler that serves a different group of a larger pool each step
+    (EXSPEC) is checked on every row it has served, not only the previous view's.
+    ``read``: when strict and deep modes read their flags, ``"step"`` (once per engine
+    step) or ``"phase"`` (after every phase).
     """
 
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
                  kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
                  max_violations: int = 100, skip_unchanged: bool = True,
-                 remember_rows: int = 256):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+                 remember_rows: int = 256, read: str = "step"):
         chosen = tuple(P.INVARIANTS if invariants is None else invariants)
+        super().__init__(mode, raise_on_violation=raise_on_violation, run=None,
+                         max_violations=max_violations)
         unknown = [i for i in chosen if i not in P.INVARIANTS]
         if unknown:
             raise ValueError(f"unknown invariants {unknown}; expected a subset of {P.INVARIANTS}")
@@ -111,23 +160,27 @@ class Monitor:
             json.dumps(run)
         except TypeError as e:
             raise TypeError(f"run must be JSON-serialisable (it goes into traces): {e}") from None
-        self.mode = mode
-        self.raise_on_violation = raise_on_violation
+        if read not in READS:
+            raise ValueError(f"read must be one of {READS}, got {read!r}")
         self.run = run
         self.invariants = chosen
+        self.read_every = read
         self.kv_atol, self.kv_rtol = kv_atol, kv_rtol
         self.near_tie_tolerance = near_tie_tolerance
-        self.max_violations = max_violations
         self.skip_unchanged = skip_unchanged
         if not isinstance(remember_rows, int) or remember_rows < 0:
             raise ValueError(f"remember_rows must be an integer >= 0, got {remember_rows!r}")
         self.remember_rows = remember_rows
-        self.violations: list[InvariantViolation] = []
         self.near_ties: list[dict] = []
         self.unchecked: list[dict] = []  # checks a run's engine left undefined (see above)
         self.calls = 0
         self.runs = 0
-        self._reported = 0
+        #: how often each rule group ran (group name -> count); skipped groups do not count
+        self.group_runs: Counter = Counter()
+        self._groups = tuple(g for g in R.GROUPS if g.invariant in chosen)
+        names = {g.name for g in self._groups}
+        self._fusions = tuple(f for f in R.FUSIONS if all(n in names for n in f.groups))
+        self._consts = R.Constants()
         self._reset_run()
 
     # -- per-run state -------------------------------------------------------------------
@@ -136,10 +189,12 @@ class Monitor:
         self._prompts: P.Prompts | None = None
         self._stops: dict = {}
         self._history: list = []  # (step, row_ids, accepted), device tensors
-        self._pending: list[_Pending] = []
+        self._pending = []
         self._refs: dict = {}  # deep I7: request id -> (ids, margins)
         self._diverged: set = set()
-        self._memo: dict = {}  # group -> the inputs it last checked (see _cheap)
+        self._memo: dict = {}  # group name -> (values, versions) it last checked
+        self._plans: dict = {}  # (phase, profile, ...) -> the groups to run
+        self._lookups: dict = {}  # row-id tensor -> its rows in a remembered state
 
     @property
     def accepted_history(self) -> list[dict]:
@@ -155,129 +210,129 @@ class Monitor:
         if phase == "prefill" and view.step == 0 and not view.info.get("batch_index", 0) \
                 and self.calls:
             self._end_run()
+        elif self._pending and self.mode != "fast" \
+                and self._pending[-1].context["view"].step != view.step:
+            self.read()  # the previous step ended without a commit view
         self.calls += 1
-        keys, masks = self._cheap(view)
-        if masks is not None:
-            if self.mode == "fast":
-                self._pending.append(_Pending(view, keys, masks, masks.any(dim=1), self._prev,
-                                              self._prompts, len(self._history)))
-            else:
-                flags = masks.any(dim=1).tolist()  # the one host read of the phase
-                if any(flags):
-                    self._report(view, keys, masks, flags, self._prev, self._prompts,
-                                 len(self._history))
+        entry = self._cheap(view)
+        if entry is not None:
+            self._pending.append(entry)
+        if self.mode != "fast" and self._pending and (self.read_every == "phase"
+                                                      or phase == "commit"):
+            self.read()  # strict: the one host read of the step
         if self.mode == "deep":
             self._deep(view)
         self._advance(view)
 
-    def _cheap(self, view: StepView):
-        """(keys, [P, B] masks) of the cheap invariants chosen (tensor ops only).
+    def _stops_of(self, view: StepView):
+        key = (view.stop_token_ids, view.device)
+        s = self._stops.get(key)
+        if s is None:  # host ids, or a device tensor built by fill kernels, once per run
+            s = self._stops[key] = P.stop_ids(view)
+        return s
 
-        A group of rules is skipped when every tensor it reads is the very object it
-        checked last time, unmodified (same ``_version``): the result cannot differ, and
-        a failure was already reported. An engine hands the same tokens/valid/positions to
-        draft, verify and commit, so those phases cost little.
-        """
-        keys, masks = [], []
-        chosen = self.invariants
-        dev_key = (view.stop_token_ids, view.device)
-        if dev_key not in self._stops:  # one small device write per run
-            self._stops[dev_key] = P.stop_tensor(view)
-        stops = self._stops[dev_key]
-        if "I1" in chosen:
-            for rule in P.i1_failures(view):  # host facts: no kernel unless broken
-                keys.append(("I1", rule))
-                masks.append(P._rows(view, True))
-        shapes_ok = tuple(view.valid.shape) == tuple(view.tokens.shape) == \
-            tuple(view.positions.shape)
-        groups = []
-        if shapes_ok:  # later invariants index [B, W] tensors together
-            f, commit = view.forward, view.phase == "commit"
-            if "I2" in chosen:
-                groups.append(("I2", "layout", P.i2_rules,
-                               (view.profile, view.valid, view.lengths, view.finished)))
-            if "I3" in chosen:
-                groups.append(("I3", "positions", P.i3_view_rules,
-                               (view.valid, view.positions)))
-                if f is not None:
-                    groups.append(("I3", "forward positions", P.i3_forward_rules,
-                                   (f, view.draft_limit, view.phase)))
-            if "I4" in chosen and f is not None:
-                groups.append(("I4", "mask", P.i4_rules,
-                               (f, view.tokens, view.valid, view.drafts, view.phase)))
-            if "I6" in chosen:
-                prev, prompts = self._prev, self._prompts
-                groups += [
-                    ("I6", "state", lambda v: P.i6_state_rules(v, stops),
-                     (view.output, view.generated, view.budgets, view.finished, stops)),
-                    ("I6", "history", lambda v: P.i6_history_rules(v, prev),
-                     (view.output, view.generated, view.generated_before, view.row_ids,
-                      prev, commit)),
-                    ("I6", "commit", lambda v: P.i6_commit_rules(v, stops, prev),
-                     None if commit else ()),
-                    # at commit the tokens are still those of before it (checked then); what
-                    # the commit appends is checked by the commit rules, tokens at realign
-                    ("I6", "sequence", lambda v: P.i6_sequence_rules(v, prompts),
-                     () if commit else (view.tokens, view.valid, view.output, view.generated,
-                                        view.lengths, view.prompt_lengths, view.row_ids,
-                                        prompts, view.phase == "prefill")),
-                ]
-        for inv, name, rules_of, deps in groups:
-            if deps == ():  # not this phase
+    def _plan(self, view: StepView, shapes_ok: bool) -> tuple:
+        """The groups to run for views like ``view``: (group, reader, host rules)."""
+        key = (view.phase, view.profile, view.forward is None, view.committed is None,
+               shapes_ok, self._prev is None, self._prompts is None)
+        plan = self._plans.get(key)
+        if plan is None:
+            facts = R.Facts(view, stops=(), prev=self._prev, prompts=self._prompts,
+                            consts=self._consts)
+            plan = self._plans[key] = tuple(
+                (g, None if g.reads is None or not self.skip_unchanged else _reader(g.reads),
+                 g.host_rules)
+                for g in self._groups
+                # later groups index [B, W] tensors together: only when their shapes agree
+                if (shapes_ok or g.invariant == "I1") and R.group_applies(g, facts))
+        return plan
+
+    def _cheap(self, view: StepView) -> Entry | None:
+        """Run the cheap groups that apply to ``view`` and whose inputs changed (fused
+        where a ``rules.FUSIONS`` entry covers several): an Entry with their ``[B]`` masks
+        (device), or None when nothing ran."""
+        facts = R.Facts(view, stops=self._stops_of(view), prev=self._prev,
+                        prompts=self._prompts, consts=self._consts, lookups=self._lookups)
+        shapes_ok = view.valid.shape == view.tokens.shape == view.positions.shape
+        memo = self._memo
+        to_run = []
+        for g, reader, host_rules in self._plan(view, shapes_ok):
+            if reader is not None:  # skip a group whose inputs are those it checked
+                values = reader(view, facts)
+                versions = _versions(values)
+                same = _same(memo.get(g.name), values, versions)
+                memo[g.name] = (values, versions)
+                if same:
+                    continue
+            to_run.append((g, host_rules))
+        if not to_run:
+            return None
+        b = view.batch_size
+        masks, shared = [], {}
+        if len(to_run) > 2:
+            names = {g.name for g, _ in to_run}
+            for fusion in self._fusions:
+                if all(n in names for n in fusion.groups):
+                    try:
+                        m = fusion.fused(facts)
+                    except (RuntimeError, IndexError, ValueError, AttributeError):
+                        m = None  # a malformed view: the groups one by one say why
+                    if m is not None and m.dim() == 1 and m.shape[0] == b:
+                        for n in fusion.groups:
+                            shared[n] = len(masks)
+                        masks.append(m)
+        checked, host_failure = [], False
+        for g, host_rules in to_run:
+            self.group_runs[g.name] += 1
+            index = shared.get(g.name)
+            if index is not None:
+                checked.append((g, (), None, index))
                 continue
-            if deps is not None and self.skip_unchanged and self._unchanged(name, deps):
-                continue
+            broken, error = (), None
             try:
-                rules = rules_of(view)
-            except (RuntimeError, IndexError, ValueError) as e:  # a malformed view
-                rules = {f"the view can be checked ({name} rules raised {type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:120]})": P._rows(view, True)}
-            for rule, mask in rules.items():
-                keys.append((inv, rule))
-                masks.append(mask)
-        if not masks:
-            return keys, None
-        return keys, torch.stack(masks)
-
-    def _unchanged(self, slot: str, deps) -> bool:
-        """True when ``deps`` are the objects (tensors: same object, same version) seen at
-        the last check of group ``slot``; remembers them either way."""
-        key = []
-        for x in deps:
-            if isinstance(x, torch.Tensor):
-                try:
-                    key.append((x, x._version))
-                except RuntimeError:  # inference tensors keep no version: always check
-                    self._memo.pop(slot, None)
-                    return False
-            else:
-                key.append((x, None))
-        old = self._memo.get(slot)
-        self._memo[slot] = key
-        if old is None or len(old) != len(key):
-            return False
-        for (a, va), (b, vb) in zip(old, key):
-            same = a is b or (isinstance(a, (str, int, bool, tuple)) and type(a) is type(b)
-                              and a == b)
-            if not same or va != vb:
-                return False
-        return True
+                if host_rules and not (g.host_ok is not None and g.host_ok(view)):
+                    broken = [r for r in host_rules if r.applies(view) and r.host(view)]
+                m = g.fused(facts) if g.fused is not None else None
+                if m is not None and (m.dim() != 1 or m.shape[0] != b):
+                    raise ValueError(f"a [B] mask was expected, got shape {list(m.shape)}")
+            except (RuntimeError, IndexError, ValueError, AttributeError) as e:  # malformed
+                error = (f"the view can be checked ({g.name} rules raised "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+                m = None
+            if m is not None:
+                index = len(masks)
+                masks.append(m)
+            if broken or error is not None:
+                host_failure = True
+            checked.append((g, broken, error, index))
+        if not masks and not host_failure:
+            return None
+        return Entry(masks, host_failure, {
+            "view": view, "checked": checked, "prev": self._prev, "prompts": self._prompts,
+            "stops": facts.stops, "history_len": len(self._history)})
 
     def _advance(self, view: StepView) -> None:
         """Update the per-run state after the checks of a phase."""
-        if view.phase == "prefill":
-            self._prompts = P.Prompts.remember(self._prompts, view, self.remember_rows)
-        if view.phase in ("prefill", "commit"):
-            self._prev = P.Snapshot.remember(self._prev, view, self.remember_rows)
+        try:
+            if view.phase == "prefill":
+                self._prompts = P.Prompts.remember(self._prompts, view, self.remember_rows)
+            if view.phase in ("prefill", "commit"):
+                self._prev = P.Snapshot.remember(self._prev, view, self.remember_rows)
+                # a later view holding these very tensors has nothing new for the history
+                # rules (its output and generated are what the snapshot just copied)
+                seen = (view.output, view.generated, None, view.row_ids, self._prev, False)
+                self._memo["I6.history"] = (seen, _versions(seen))
+        except (RuntimeError, IndexError, ValueError):  # a malformed view (I1 reports it)
+            pass
         if view.phase == "commit" and view.accepted is not None:
             self._history.append((view.step, view.row_ids, view.accepted))
+
 
     # -- deep checks -----------------------------------------------------------------------
     def _deep(self, view: StepView) -> None:
         if "I5" in self.invariants and view.phase in KV_PHASES:
             a, r = P.kv_tolerance(_cache_dtype(view), self.kv_atol, self.kv_rtol)
-            rule = (f"cached K/V at every valid slot equals a clean batch-1 prefill of the "
-                    f"row's real tokens (allclose atol={a:g}, rtol={r:g})")
+            rule = R.R_KV.text(atol=a, rtol=r)
             try:
                 _, slots = P.kv_mismatches(view, atol=self.kv_atol, rtol=self.kv_rtol)
                 rows = [b for b, s in enumerate(slots) if s]
@@ -285,9 +340,9 @@ class Monitor:
                 rows, slots = list(range(view.batch_size)), [[] for _ in range(view.batch_size)]
                 rule += f"; the cache could not be compared: {type(e).__name__}: {e}"[:300]
             if rows:
+                self.read()  # cheap violations of this phase or earlier come first
                 self._emit(self._build(view, "I5", rows, [slots[b] for b in rows], [rule],
-                                       prev=self._prev, prompts=self._prompts,
-                                       history_len=len(self._history)))
+                                       rule=R.R_KV, history_len=len(self._history)))
         if "I7" in self.invariants and view.phase == "commit" and view.model is not None:
             s = view.sampling
             if s is None or getattr(s, "mode", None) == "coupled":
@@ -330,11 +385,12 @@ class Monitor:
             bad_rows.append(b)
             slots.append([row.first_divergence])
             what = "greedy" if view.sampling is None else "coupled-sampling"
-            rules.append(f"output equals the batch-1 {what} reference: {row.describe()} "
-                         f"(tolerance {self.near_tie_tolerance:g}: desync)")
+            rules.append(R.R_REFERENCE.text(what=what, detail=row.describe(),
+                                            tol=self.near_tie_tolerance))
         if bad_rows:
-            self._emit(self._build(view, "I7", bad_rows, slots, rules, prev=self._prev,
-                                   prompts=self._prompts, history_len=len(self._history)))
+            self.read()  # cheap violations of this phase or earlier come first
+            self._emit(self._build(view, "I7", bad_rows, slots, rules, rule=R.R_REFERENCE,
+                                   history_len=len(self._history)))
 
     def _prompt_lists(self, view: StepView) -> list:
         if self._prompts is None:
@@ -345,23 +401,56 @@ class Monitor:
         return [t[:n] if f else None for t, n, f in zip(toks, lens, found.tolist())]
 
     # -- reporting -----------------------------------------------------------------------
-    def _report(self, view, keys, masks, flags, prev, prompts, history_len) -> None:
-        """Build the violation of the first failing invariant of a phase (host side)."""
-        failing = [i for i, f in enumerate(flags) if f]
-        first_inv = keys[failing[0]][0]
-        mine = [i for i in failing if keys[i][0] == first_inv]
-        rows_mask = masks[mine].any(dim=0).tolist()
-        rows = [b for b, x in enumerate(rows_mask) if x]
-        rules = [keys[i][1] for i in mine]
-        also = sorted({keys[i][0] for i in failing} - {first_inv})
-        slots = _slots(view, first_inv, rules, rows, prev, prompts, self._stops)
-        self._emit(self._build(view, first_inv, rows, slots, rules, also=also, prev=prev,
-                               prompts=prompts, history_len=history_len))
+    def report(self, entry: Entry, rows: list) -> None:
+        """Name the rules behind the flagged groups of one phase and build the violation
+        of its first failing invariant (host side: runs only on a failure)."""
+        ctx = entry.context
+        view = ctx["view"]
+        facts = R.Facts(view, stops=ctx["stops"], prev=ctx["prev"], prompts=ctx["prompts"],
+                        consts=self._consts)
+        failing = []  # (invariant, Rule | None, sentence, host rows)
+        everyone = [True] * view.batch_size
+        named_at, first_at = set(), {}  # mask index -> a group named a rule / its first group
+        for g, broken, error, index in ctx["checked"]:
+            for r in broken:
+                failing.append((g.invariant, r, r.text(view), everyone))
+            if error is not None:
+                failing.append((g.invariant, None, error, everyone))
+            if index is None or not any(rows[index]):
+                continue
+            first_at.setdefault(index, g)
+            try:
+                named = [(r, m.tolist()) for r, m in R.rule_masks(g, facts) if r.host is None]
+                named = [(r, m) for r, m in named if any(m)]
+            except (RuntimeError, IndexError, ValueError, AttributeError) as e:
+                failing.append((g.invariant, None,
+                                f"the view can be checked ({g.name} rules raised "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:120]})", everyone))
+                continue
+            if named:
+                named_at.add(index)
+            failing += [(g.invariant, r, r.text(view), m) for r, m in named]
+        for index, g in first_at.items():
+            if index not in named_at:  # its tensors changed in place since the check
+                failing.append((g.invariant, None,
+                                f"{g.name} (flagged at the check; its tensors were modified in "
+                                f"place before the read, so the rule cannot be named)",
+                                rows[index]))
+        if not failing:
+            return
+        inv = failing[0][0]
+        mine = [f for f in failing if f[0] == inv]
+        bad = [b for b in range(view.batch_size) if any(f[3][b] for f in mine)]
+        also = sorted({f[0] for f in failing} - {inv})
+        rule = R.slot_rule([f[1] for f in mine if f[1] is not None])
+        slots = _slots(facts, rule, bad)
+        self._emit(self._build(view, inv, bad, slots, [f[2] for f in mine], rule=rule,
+                               also=also, history_len=ctx["history_len"]))
 
-    def _build(self, view, inv, rows, slots, rules, *, also=(), prev=None, prompts=None,
+    def _build(self, view, inv, rows, slots, rules, *, rule=None, also=(),
                history_len=None) -> InvariantViolation:
         hist = _history_host(self._history[:history_len])
-        grid = _grid(view, inv, rules, rows, slots)
+        grid = _grid(view, rule, rows, slots)
         sel = lambda t: None if t is None else [t.tolist()[b] for b in rows]  # noqa: E731
         state = {
             "lengths": sel(view.lengths), "prompt_lengths": sel(view.prompt_lengths),
@@ -382,46 +471,9 @@ class Monitor:
             info=view.info, run=self.run, also=also, source="monitor")
         return InvariantViolation(trace)
 
-    def _emit(self, violation: InvariantViolation) -> None:
-        if len(self.violations) < self.max_violations:
-            self.violations.append(violation)
-        if self.raise_on_violation:
-            self._reported = len(self.violations)
-            raise violation
-
     # -- the end of a run ------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Fast mode: read every pending flag in one host transfer and report failures."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        flat = torch.cat([p.flags for p in pending]).tolist()  # the one sync of the run
-        at = 0
-        for p in pending:
-            flags = flat[at : at + len(p.keys)]
-            at += len(p.keys)
-            if any(flags):
-                self._report(p.view, p.keys, p.masks, flags, p.prev, p.prompts, p.history_len)
-                if len(self.violations) >= self.max_violations:
-                    return
-
-    def check(self) -> list[InvariantViolation]:
-        """Finish the pending checks (fast mode: one host sync) and raise the first
-        violation not raised yet; with ``raise_on_violation=False`` return them all."""
-        if self.raise_on_violation:
-            try:
-                self._flush()
-            finally:
-                self._pending = []
-            if self._reported < len(self.violations):  # pragma: no cover - _emit raises
-                v = self.violations[self._reported]
-                self._reported = len(self.violations)
-                raise v
-        else:
-            self._flush()
-        return list(self.violations)
-
-    finish = check
+    def finish(self) -> list[InvariantViolation]:
+        return self.check()
 
     def _end_run(self) -> None:
         try:
@@ -434,6 +486,7 @@ class Monitor:
         """Forget violations, near-ties and the run state (keeps the configuration)."""
         self.violations, self.near_ties, self.unchecked = [], [], []
         self.calls = self.runs = self._reported = 0
+        self.group_runs = Counter()
         self._reset_run()
 
     def __enter__(self) -> "Monitor":
@@ -478,82 +531,68 @@ def _rows_of(mask, rows):
     return [[j for j, x in enumerate(host[b]) if x] for b in rows]
 
 
-def _slots(view, inv, rules, rows, prev, prompts, stops) -> list[list[int]]:
-    """Offending slots per row (see the module docstring of ``trace``)."""
+def _slots(facts: R.Facts, rule: R.Rule | None, rows) -> list[list[int]]:
+    """Offending slots per row: the ``slots`` of the rule that shows them (see
+    ``rules.slot_rule``), indexed as its ``columns`` say."""
     empty = [[] for _ in rows]
+    if rule is None or rule.slots is None:
+        return empty
     try:
-        if inv == "I2":
-            return _rows_of(P.layout_slots(view), rows)
-        if inv == "I3":
-            if any(r.startswith("at every valid slot") for r in rules):
-                return _rows_of(P.position_slots(view.valid, view.positions), rows)
-            fs = P.forward_slots(view)
-            if fs is not None:
-                c = view.forward.cache_width
-                return [[c + j for j in s] for s in _rows_of(fs, rows)]
-        if inv == "I4":
-            ms = P.mask_slots(view)
-            if ms is not None:
-                return _rows_of(ms, rows)
-        if inv == "I6":
-            seq = P.sequence_slots(view, prompts) if view.phase != "prefill" else None
-            if seq is not None and any(r.startswith("the row's real tokens") for r in rules):
-                return _rows_of(seq, rows)
-            stop = next(iter(stops.values()), None)
-            return _rows_of(P.output_slots(view, stop), rows)
+        s = rule.slots(facts)
+        return empty if s is None else _rows_of(s, rows)
     except Exception:  # slots are an aid; a malformed view must still give a trace
         return empty
-    return empty
 
 
-def _grid(view, inv, rules, rows, slots):
-    """Grid entries for the first ``MAX_GRID_ROWS`` offending rows (a window each)."""
+def _grid(view, rule, rows, slots):
+    """Grid entries for the first ``MAX_GRID_ROWS`` offending rows (a window each); the
+    columns and lines are those of ``rule`` (the one whose slots are shown)."""
     shown = list(zip(rows, slots))[:MAX_GRID_ROWS]
     if not shown:
         return []
     ids = view.row_ids.tolist()
-    forward_cols = inv == "I4" or (inv == "I3" and not any(
-        r.startswith("at every valid slot") for r in rules))
+    columns = rule.columns if rule is not None else None
+    lines_of = rule.lines if rule is not None else ("valid", "pos")
     try:
-        if forward_cols and view.forward is not None:
+        if columns == "forward" and view.forward is not None:
             f = view.forward
             mask = f.attention_mask.bool().tolist()
             pos = f.positions.expand(view.batch_size, -1).tolist() \
                 if f.positions.shape[0] == 1 else f.positions.tolist()
             want = P.valid_before(f.attention_mask.bool()).tolist()
-            _, valid_ext = P._extended(view)
+            _, valid_ext = P.extended(view)
             vext = valid_ext.tolist()
             c = f.cache_width
             width = len(mask[0])
             grid = []
             for b, s in shown:
-                columns = grid_window(width, s)
+                window = grid_window(width, s)
                 lines = {"mask": ["#" if x else "." for x in mask[b]]}
-                if inv == "I4":  # the mask against the validity it stands for
+                if "valid" in lines_of:  # the mask against the validity it stands for
                     lines["valid"] = ["#" if x else "." for x in vext[b][:width]]
-                else:  # I3: positions of the new tokens against the mask's count
+                if "pos" in lines_of:  # positions of the new tokens against the mask's count
                     lines["pos"] = [None] * c + pos[b]
+                if "want" in lines_of:
                     lines["want"] = [w if (j >= c and mask[b][j]) else None
                                      for j, w in enumerate(want[b])]
-                grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s, columns))
+                grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s, window))
             return grid
         valid = view.valid.bool().tolist()
         pos = view.positions.tolist()
-        slot_cols = inv in ("I2", "I3", "I5") or any(r.startswith("the row's real tokens")
-                                                     for r in rules)
-        want = P.valid_before(view.valid.bool()).tolist() if inv == "I3" else None
+        slot_cols = columns == "slots"
+        want = P.valid_before(view.valid.bool()).tolist() if "want" in lines_of else None
         tok = view.tokens.tolist()
         grid = []
         for b, s in shown:
-            columns = grid_window(view.width, s if slot_cols else [])
+            window = grid_window(view.width, s if slot_cols else [])
             lines = {"valid": ["#" if x else "." for x in valid[b]],
                      "pos": [p if v else None for p, v in zip(pos[b], valid[b])]}
             if want is not None:
                 lines["want"] = [w if v else None for w, v in zip(want[b], valid[b])]
-            if inv in ("I6", "I7"):
+            if "token" in lines_of:
                 lines["token"] = [t if v else None for t, v in zip(tok[b], valid[b])]
             grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s if slot_cols else [],
-                                 columns))
+                                 window))
         return grid
     except Exception:  # the grid is an aid; never let it hide the violation
         return []

@@ -24,7 +24,7 @@ import re
 
 import pytest
 
-MODES = ("off", "fast", "strict", "deep")
+from .modes import MODES
 _KEY = "_invariants_objects"
 
 

@@ -15,7 +15,9 @@ layers, batch 8, 460 slots, fp32, 2 CPU cores): a realignment gather went from 2
 same data takes 14 ms. Memory: the steady state holds two buffers where it held one, but
 every realignment used to allocate a temporary of the same size, so the peak is unchanged.
 
-Tested against transformers 5.24 (``pyproject.toml`` pins ``>=5.24,<5.25``):
+Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` allows
+4.51 to 5.24 so that ``invariants`` installs into projects on transformers 4.x, and a
+``SlabCache`` refuses any other version at run time, ``check_transformers``):
 - the forward keyword is ``cache`` (``past_key_values`` is deprecated until 5.40);
 - masks take the query offset from ``Cache.get_query_offset`` and sizes from
   ``CacheLayerMixin.get_mask_sizes``; layers must subclass ``CacheLayerMixin``;
@@ -28,7 +30,35 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+import transformers
+
+try:
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+except ImportError:  # transformers < 5: importing works, running the engine does not
+    Cache = DynamicCache = DynamicLayer = object
+
+#: the transformers release series whose cache internals this module is written for
+SUPPORTED_TRANSFORMERS = "5.24"
+
+
+class UnsupportedTransformersError(RuntimeError):
+    """The installed transformers is not the one the engine's cache is written for."""
+
+
+def transformers_supported(version: str | None = None) -> bool:
+    v = transformers.__version__ if version is None else version
+    return v == SUPPORTED_TRANSFORMERS or v.startswith(SUPPORTED_TRANSFORMERS + ".")
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse, with the fix, a transformers whose cache internals differ from 5.24's."""
+    v = transformers.__version__ if version is None else version
+    if not transformers_supported(v):
+        raise UnsupportedTransformersError(
+            f"specdec's engine needs transformers {SUPPORTED_TRANSFORMERS}.x: its KV cache "
+            f"(specdec/cache.py) builds on that release's cache internals, found transformers "
+            f"{v}. Install it with: pip install 'transformers>={SUPPORTED_TRANSFORMERS},<5.25'. "
+            f"(The invariants checker alone works with transformers 4.51 to 5.24.)")
 
 #: keyword under which a transformers 5.24 causal LM takes its cache
 CACHE_KWARG = "cache"
@@ -175,6 +205,7 @@ class SlabCache(Cache):
     """A transformers ``Cache`` over one slab tensor; see the module docstring."""
 
     def __init__(self, num_layers: int, capacity: int):
+        check_transformers()
         slab = _Slab(num_layers, capacity)
         super().__init__(layers=[SlabLayer(slab, i) for i in range(num_layers)])
         self.slab = slab
@@ -338,31 +369,34 @@ class SlotPool:
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:
-    """The sliding window of ``model`` when every attention layer slides, None when none
-    does. Models mixing full and sliding layers are refused (a single position-based mask
-    cannot serve both)."""
+    """The sliding window of ``model``'s sliding layers, None when no layer slides.
+
+    A model may mix full-attention and sliding-window layers (``config.layer_types``,
+    e.g. Gemma 3: five sliding layers to one full one); ``layer_types`` tells which."""
     cfg = model.config
     win = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        sliding = [t == "sliding_attention" for t in types]
-        if not any(sliding):
-            return None
-        if not all(sliding):
-            raise NotImplementedError(
-                f"{type(model).__name__} mixes full and sliding-window attention layers; "
-                "position-based masks for holes support uniform sliding windows only"
-            )
+    if types is not None and "sliding_attention" not in types:
+        return None
     if not win or getattr(cfg, "use_sliding_window", True) is False:
         return None
     return int(win)
 
 
+def layer_types(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The attention kinds of a model mixing full and sliding layers (the keys of the mask
+    mapping such a model takes), None when every layer attends alike."""
+    types = getattr(model.config, "layer_types", None)
+    if types is None or sliding_window(model) is None or len(set(types)) == 1:
+        return None
+    return tuple(sorted(set(types)))
+
+
 def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
-                  query_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """The 4-D mask ``[B, 1, q, C + q]`` of a sliding-window model computed from positions,
-    not slot indices: query i (slot ``C + i``) attends key slot j iff j is valid, j is not
-    after the query's slot, and ``0 <= pos(query) - pos(key) < window``.
+                  query_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The 4-D mask ``[B, 1, q, C + q]`` computed from positions, not slot indices: query
+    i (slot ``C + i``) attends key slot j iff j is valid, j is not after the query's slot,
+    and ``0 <= pos(query) - pos(key) < window`` (no window: ``window=None``).
 
     Transformers 5.24 builds the sliding mask over slot indices (``kv_idx > q_idx -
     window``), which is wrong as soon as holes separate slots from positions; a 4-D mask
@@ -376,8 +410,10 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
     kslot = torch.arange(c_q, device=dev)[None, :]
     qslot = (c_q - q + torch.arange(q, device=dev))[:, None]
     kp, qp = key_positions[:, None, :], query_positions[:, :, None]
-    allowed = (attention_mask.bool()[:, None, :] & (kslot <= qslot)[None]
-               & (kp <= qp) & (kp > qp - window))[:, None]
+    allowed = attention_mask.bool()[:, None, :] & (kslot <= qslot)[None] & (kp <= qp)
+    if window is not None:
+        allowed = allowed & (kp > qp - window)
+    allowed = allowed[:, None]
     if impl == "sdpa":
         return allowed
     if impl == "eager":
@@ -388,6 +424,20 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
         f"position-based sliding-window masks are built for sdpa and eager attention, "
         f"not {impl!r}"
     )
+
+
+def position_masks(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
+                   query_positions: torch.Tensor, window: int):
+    """What a sliding-window model attends over holes: one ``position_mask`` when every
+    layer slides; for a model mixing full and sliding layers, the mapping from layer type
+    to mask that its forward takes in place of ``attention_mask`` (transformers 5.24:
+    ``{"full_attention": ..., "sliding_attention": ...}``; a dict is used as given), the
+    full layers' mask without the window."""
+    types = layer_types(model)
+    if types is None:
+        return position_mask(model, attention_mask, key_positions, query_positions, window)
+    return {t: position_mask(model, attention_mask, key_positions, query_positions,
+                             window if t == "sliding_attention" else None) for t in types}
 
 
 def new_cache(model: torch.nn.Module, capacity: int) -> SlabCache:
@@ -412,7 +462,9 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     attention_mask: [B, cache.width + q] long/bool, valid over cache slots ++ new tokens
     key_positions:  [B, cache.width + q] long or None: position of every mask column.
                     Given when slots may have holes; for a sliding-window model the mask
-                    is then built from positions (``position_mask``), otherwise unused.
+                    is then built from positions (``position_masks``: one mask, or one
+                    per layer type for a model mixing full and sliding layers),
+                    otherwise unused.
     last_logits:    compute the LM head at the last new token only (prefill: the head over
                     every prompt slot would cost more than the whole transformer).
     Returns logits [B, q, V] ([B, 1, V] with last_logits) and advances the cache by q.
@@ -422,7 +474,7 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     if key_positions is not None:
         window = sliding_window(model)
         if window is not None:
-            mask = position_mask(model, attention_mask, key_positions, positions, window)
+            mask = position_masks(model, attention_mask, key_positions, positions, window)
     out = model(
         input_ids=input_ids,
         position_ids=positions,

@@ -45,8 +45,8 @@ def _int_option(name: str, minimum: int):
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="target: a local Hugging Face directory or hub name, 'tiny:FAMILY', "
-                        "or omitted for the default SmolLM2-135M-Instruct")
+                   help="target: 'gemma3-270m', a local Hugging Face directory or hub name, "
+                        "'tiny:FAMILY', or omitted for the default SmolLM2-135M-Instruct")
     p.add_argument("--draft-model", default=None,
                    help="draft model (same forms as --model); default: the n-gram drafter")
     p.add_argument("--k", type=_int_option("k (drafts per step)", 0), default=4,
@@ -197,7 +197,7 @@ def cmd_audit(args) -> int:
     sampling = _sampling(args, always=True)
     if args.out:
         validation.writable_dir(args.out, "--out")
-    items = prompt_mod.load_jsonl(args.prompts) if args.prompts else prompt_mod.builtin_prompts()
+    items = prompt_mod.prompt_set(args.prompts)
     if not items:
         raise ValueError(f"prompt file {args.prompts} holds no prompts")
     items = items[: args.limit] if args.limit else items
@@ -267,7 +267,8 @@ def main(argv=None) -> int:
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
     a.add_argument("--prompts", help="JSONL prompts ({'prompt': ...}, {'messages': [...]} or "
-                                     "SpecBench questions); default: the built-in set")
+                                     "SpecBench questions), or 'long' (built-in texts joined "
+                                     "past a 512-token window); default: the built-in set")
     a.add_argument("--limit", type=_int_option("limit", 0), default=16,
                    help="first N prompts (default 16; 0 = all)")
     a.add_argument("--engines", nargs="+", help="engines to run (default: all)")

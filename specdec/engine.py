@@ -60,6 +60,7 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
     """Every check of ``generate``'s common arguments, before any work; returns them
     checked (ints as ints, the prompts as id lists, the default drafter filled in, stop ids
     None for the model's own). Strategy options are the strategy's to check."""
+    cache_mod.check_transformers()  # first: the engine runs on one transformers release
     ids = validation.prompt_ids(prompts, tokenizer)
     max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
                                                stop_token_ids=stop_token_ids)

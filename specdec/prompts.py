@@ -9,7 +9,8 @@ retrieval-augmented answering (one to three short documents, then a question). T
 lengths range from a handful of words to several hundred. The list interleaves the kinds
 (chat, translation, summarization, qa, math, rag, chat, ...), so any prefix of eight or
 more prompts covers all six kinds and a mix of lengths. The English is deliberately plain:
-the default target is a 135M-parameter instruct model.
+the default target is a 135M-parameter instruct model. ``long_prompts()`` joins them
+into prompts past a 512-token sliding window (kind ``"long"``).
 
 ``load_jsonl(path)`` reads that file and any prompt file (``specdec generate --jsonl``,
 ``specdec audit --prompts``). Each line is one of:
@@ -70,6 +71,39 @@ def builtin_prompts() -> list[Prompt]:
     """The 48 built-in prompts, kinds interleaved: chat-01, translation-01, ..., rag-01, chat-02, ..."""
     with resources.as_file(resources.files(__package__) / "data" / "prompts.jsonl") as path:
         return load_jsonl(path)
+
+
+def long_prompts(count: int = 8, min_words: int = 440, step_words: int = 22) -> list[Prompt]:
+    """``count`` long single-turn prompts built from the built-in texts, for models with a
+    sliding window (Gemma 3's is 512 tokens): prompt i is a run of notes, the built-in
+    prompts from the (5 i)-th on, cut at ``min_words + i step_words`` words (Gemma 3's
+    tokenizer makes about 1.3 tokens of a word: 550 to 780 tokens for the defaults), then
+    one question about the first note. Lengths differ row to row (mixed padding in one
+    batch) and all lie past the window."""
+    base = builtin_prompts()
+    out = []
+    for i in range(count):
+        want = min_words + i * step_words
+        notes, words, j = [], 0, 5 * i
+        while words < want:
+            text = base[j % len(base)].text.split()[: want - words]
+            notes.append(f"Note {len(notes) + 1}: " + " ".join(text))
+            words += len(text)
+            j += 1
+        text = "\n\n".join(notes + ["Question: in one sentence, what is note 1 about?"])
+        out.append(Prompt(id=f"long-{i + 1:02d}", kind="long",
+                          messages=({"role": "user", "content": text},)))
+    return out
+
+
+def prompt_set(name_or_path=None) -> list[Prompt]:
+    """A prompt set by name or file: None or ``"builtin"`` -> ``builtin_prompts()``;
+    ``"long"`` -> ``long_prompts()``; anything else is a JSONL file (``load_jsonl``)."""
+    if name_or_path in (None, "builtin"):
+        return builtin_prompts()
+    if name_or_path == "long":
+        return long_prompts()
+    return load_jsonl(name_or_path)
 
 
 def load_jsonl(path) -> list[Prompt]:
@@ -153,8 +187,9 @@ def encode(prompts, tokenizer) -> list[list[int]]:
     """Token ids of each prompt, ready for generation.
 
     With a chat template: ``apply_chat_template(joined(messages),
-    add_generation_prompt=True)``. Without one: ``plain_text(messages)``, tokenized
-    without special tokens.
+    add_generation_prompt=True)``. Without one: ``plain_text(messages)``, tokenized with
+    the special tokens the tokenizer adds by itself (Gemma's beginning-of-text token; none
+    for SmolLM2's).
     """
     from .validation import tokenizer_ids
 
@@ -164,6 +199,6 @@ def encode(prompts, tokenizer) -> list[list[int]]:
         if has_template:
             out = tokenizer.apply_chat_template(joined(p.messages), add_generation_prompt=True)
         else:
-            out = tokenizer(plain_text(p.messages), add_special_tokens=False)
+            out = tokenizer(plain_text(p.messages))
         result.append(tokenizer_ids(out))
     return result

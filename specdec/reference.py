@@ -35,6 +35,7 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     every generated position (a list of floats; not defined in rejection mode).
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     """
+    cache_mod.check_transformers()  # first: it decodes through the engine's cache
     ids = validation.prompt_ids(prompts, tokenizer)
     max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
                                                stop_token_ids=stop_token_ids)

@@ -35,7 +35,7 @@ def tiny_target(family: str):
 def case_prompts(case: Case) -> list[list[int]]:
     from specdec import models
 
-    return random_prompts(case.lengths, models.TINY_VOCAB, seed=case.seed)
+    return random_prompts(case.lengths, case.vocab or models.TINY_VOCAB, seed=case.seed)
 
 
 @dataclass
@@ -93,15 +93,18 @@ def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=
     with ``case.sampling`` (coupled) the reference and the forced drafts are those of plain
     coupled sampling.
 
-    ``mutant`` (a name of specdec.mutants) applies to the engine run only: the reference
-    is always computed with the real layout (reference decoding shares left_pad's math).
+    ``mutant`` (a name of specdec.mutants; default: the drill's ``$SPECDEC_MUTANT``,
+    tests/campaign.py) applies to the engine run only: the reference is always computed
+    with the real layout (reference decoding shares left_pad's math).
     """
     import contextlib
 
     import invariants
     import specdec
+    from campaign import planted_mutant
     from specdec import drafters, models, mutants
 
+    mutant = mutant or planted_mutant()
     target = target if target is not None else tiny_target(case.family)
     prompts = case_prompts(case)
     free = free_reference(target, prompts, case.budget,

@@ -38,10 +38,10 @@ def acceptance_patterns(draw, rows: int, k: int, steps: int):
     return [shape_pattern(kind, r, rows, k, steps, drawn[r]) for r in range(rows)]
 
 
-def prompt_length(context: int, budget: int):
-    """A prompt length from 1 token to near the context limit (prompt + budget <= context),
-    mostly short so that batches mix short and long rows."""
-    return st.one_of(st.integers(1, 12), st.integers(1, context - budget))
+def prompt_length(context: int, budget: int, shortest: int = 1):
+    """A prompt length from ``shortest`` tokens to near the context limit (prompt + budget
+    <= context), mostly short so that batches mix short and long rows."""
+    return st.one_of(st.integers(shortest, shortest + 11), st.integers(shortest, context - budget))
 
 
 def stop_placements(rows: int, budget: int):
@@ -75,6 +75,7 @@ class Case:
     seed: int = 0
     note: dict = field(default_factory=dict)
     strategy: str = "eqspec"
+    vocab: int | None = None  # prompt ids are drawn below it (None: the tiny vocabulary)
     sampling: object = None
 
     @property
@@ -83,17 +84,19 @@ class Case:
 
 
 @st.composite
-def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows: int = 16,
-          max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
-          strategies=None, sampled: bool = False):
+def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3"),
+          max_rows: int = 16, max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
+          strategies=None, shortest: int = 1, vocab: int | None = None, sampled: bool = False):
     """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts)
     so that shrinking deletes whole rows; the pattern kind shapes every row's counts.
-    ``sampled``: greedy or coupled sampling (``samplings``), shrinking toward greedy."""
+    ``shortest``: the shortest prompt (past a sliding window, for instance); ``vocab``:
+    prompt ids are drawn below it (default: the tiny models' vocabulary); ``sampled``: greedy
+    or coupled sampling (``samplings``), shrinking toward greedy."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
     kind = draw(st.sampled_from(PATTERN_KINDS))
-    row = st.tuples(prompt_length(context, budget),
+    row = st.tuples(prompt_length(context, budget, shortest),
                     st.lists(st.integers(0, k), min_size=1, max_size=budget))
     drawn = draw(st.lists(row, min_size=1, max_size=max_rows))
     rows = len(drawn)
@@ -111,4 +114,4 @@ def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral"), max_rows
     strategy = draw(st.sampled_from(strategies))
     sampling = draw(st.one_of(st.none(), samplings())) if sampled else None
     return Case(family, lengths, budget, k, batch_size, pattern, stop, seed, note={"kind": kind},
-                strategy=strategy, sampling=sampling)
+                strategy=strategy, vocab=vocab, sampling=sampling)

@@ -1,8 +1,10 @@
-"""``specdec audit``: the report's contract, on a tiny model."""
+"""``specdec audit``: the report's contract, on a tiny model; and on Gemma 3 past its window."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from specdec import cli
 
@@ -39,3 +41,24 @@ def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
 def test_audit_refuses_unknown_engines(capsys):
     assert cli.main(["audit", "--model", "tiny:llama", "--limit", "2", "--engines", "warp"]) == 2
     assert "unknown engines ['warp']" in capsys.readouterr().err
+
+
+@pytest.mark.real
+@pytest.mark.xdist_group("gemma3-270m")
+def test_audit_on_gemma3_past_its_window_is_clean_for_correct_engines(tmp_path, capsys):
+    """``specdec audit --model gemma3-270m`` on a prompt past the 512-token window (one
+    prompt, a few engines, to keep CI short: the full audit's figures are in the README)."""
+    out = tmp_path / "audit"
+    rc = cli.main(["audit", "--model", "gemma3-270m", "--prompts", "long", "--limit", "1",
+                   "--batch-size", "1", "--max-new-tokens", "6", "--engines", "eqspec",
+                   "holes", "implicit_positions", "accept_first_mismatch", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"] == "gemma3-270m" and report["prompts"] == 1
+    engines = {e["name"]: e for e in report["engines"]}
+    for name in ("eqspec", "holes"):
+        e = engines[name]
+        assert e["exact_match"] == 1.0 and e["desyncs"] == 0 and e["violations"] == 0
+    for name, inv in (("implicit_positions", "I3"), ("accept_first_mismatch", "I6")):
+        assert engines[name]["violations"] > 0
+        assert engines[name]["first_violation"]["invariant"] == inv

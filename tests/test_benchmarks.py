@@ -72,3 +72,25 @@ def test_validation_overhead_runs_every_configuration_exactly(tmp_path, capsys):
     assert steps_ops["none/validated"] > steps_ops["none/unvalidated"]
     assert (phases.sync, validation.checked_drafts, validation.HookWatch, batch_mod.StepView) == shipped
     assert "HookWatch" in capsys.readouterr().out
+
+
+def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("monitor_overhead",
+                                                  ROOT / "benchmarks" / "monitor_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "mo.json"
+    argv = ["--settings", "cheap,real", "--model", "tiny:qwen3", "--prompts", "3",
+            "--strategies", "eqspec", "--max-new-tokens", "4", "--repeats", "1",
+            "--json", str(out)]
+    assert mod.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["setting"], r["config"]) for r in rows}
+    assert got == {(s, c) for s in ("cheap", "real")
+                   for c in ("none", "null-hook", "fast", "strict", "strict-phase")}
+    assert all(r["identical"] for r in rows)
+    checked = {(r["setting"], r["config"]): r for r in rows if "reads_per_step" in r}
+    for (setting, config), r in checked.items():
+        assert r["uploads"] == 0 and r["dynamic_shapes"] == 0 and r["ops_per_step"] > 0
+        assert r["most_reads_in_a_step"] == {"fast": 0, "strict": 1}.get(config, r["most_reads_in_a_step"])
+    assert "no upload, no data-dependent shape, fast reads nothing" in capsys.readouterr().out

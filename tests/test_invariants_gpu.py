@@ -1,16 +1,20 @@
-"""invariants on CUDA: the engine, the Monitor and guard_model on GPU tensors, and fast mode
+"""invariants on CUDA: the engine, the Monitor and guard_model on GPU tensors, fast mode
 never synchronising the stream inside a hook (CUDA's sync debug mode set to "error"
-around each check). Skipped without a CUDA device; ``benchmarks/gpu_check.sh`` runs them.
+around each check) and strict mode synchronising once per engine step (sync debug mode
+"warn", warnings counted per step). ``benchmarks/gpu_check.sh`` runs them on a GPU.
 
-``INVARIANTS_TEST_DEVICE=cpu`` runs the same tests on the CPU (host reads forbidden by
-``strategies.forbid_host_reads`` instead of the sync debug mode), to check the tests
-themselves on a machine without a GPU.
+Without a CUDA device (or with ``INVARIANTS_TEST_DEVICE=cpu``) the same tests run on the
+CPU, in CI, with ``invariants.testing`` (host reads, uploads and data-dependent shapes) in
+place of the sync debug mode; ``tests/test_host_transfers.py`` covers every strategy and
+family that way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -19,14 +23,14 @@ import transformers
 import specdec
 from invariants import InvariantViolation, Monitor, guard_model
 from invariants import predicates as P
+from invariants import rules as R
 from specdec import drafters, models
-from host_reads import forbid_host_reads
 from specdec.validation import fault_injection
+from invariants.testing import TransferLog, no_host_transfers
 
-DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)
@@ -46,7 +50,7 @@ def no_sync():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     else:
-        with forbid_host_reads():
+        with no_host_transfers():
             yield
 
 
@@ -117,8 +121,8 @@ def test_predicate_masks_stay_on_the_gpu():
     specdec.generate(target, PROMPTS[:2], k=K, max_new_tokens=4, hooks=[grab])
     v = seen[0]
     with no_sync():
-        masks = [P.i1_alignment(v), P.i2_layout(v), P.i3_positions(v), P.i4_mask(v),
-                 P.i6_conservation(v)]
+        masks = [R.i1_alignment(v), R.i2_layout(v), R.i3_positions(v), R.i4_mask(v),
+                 R.i6_conservation(v)]
     assert all(m.device.type == torch.device(DEVICE).type for m in masks)
 
 
@@ -142,3 +146,48 @@ def test_fast_guard_checks_a_forward_without_syncing():
         with no_sync():
             g._pre(target, (ids,), {"attention_mask": mask})  # implicit positions: row 0 wrong
     assert [v.rows for v in g.violations] == [[0]]
+
+
+def counting_syncs(hook, per_step: Counter):
+    """Wrap a step hook so that the stream synchronisations (host reads, on the CPU) of
+    each call are added to ``per_step[view.step]``."""
+    def wrapped(phase, view):
+        if DEVICE.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    hook(phase, view)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            per_step[view.step] += sum("synchroniz" in str(w.message) for w in seen)
+        else:
+            log = TransferLog(raise_on_transfer=False)
+            with log:
+                hook(phase, view)
+            per_step[view.step] += log.reads
+    return wrapped
+
+
+@pytest.mark.parametrize("strategy", ["eqspec", "holes", "exspec"])
+def test_strict_monitor_synchronises_once_per_step(strategy):
+    target, draft = on_device("llama")
+    per_step: Counter = Counter()
+    mon = Monitor("strict")
+    res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                           batch_size=3, max_new_tokens=BUDGET, strategy=strategy,
+                           hooks=[counting_syncs(mon, per_step)])
+    assert mon.check() == []
+    assert res.sequences == reference(target)
+    assert per_step and max(per_step.values()) == 1, dict(per_step)
+
+
+@pytest.mark.parametrize("strategy", ["holes", "exspec"])
+def test_fast_monitor_never_syncs_on_every_strategy(strategy):
+    target, draft = on_device("llama")
+    mon = Monitor("fast")
+    res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                           batch_size=3, max_new_tokens=BUDGET, strategy=strategy,
+                           hooks=[without_sync(mon)])
+    assert mon.check() == []
+    assert res.sequences == reference(target)

@@ -14,8 +14,9 @@ import torch
 from transformers import DynamicCache
 
 from invariants import InvariantViolation, guard_model
+from invariants._hf import cache_kwarg
 from invariants.equivalence import greedy_reference
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 from toy_engine import hf_tiny_llama
 
 torch.set_num_threads(1)
@@ -34,6 +35,20 @@ def model():
 @pytest.fixture(scope="module")
 def refs(model):
     return [greedy_reference(model, p, STEPS * (K + 1) + K, ())[0] for p in PROMPTS]
+
+
+def cached(model, cache) -> dict:
+    """The cache keyword of this transformers (``cache`` in 5.x, ``past_key_values`` in 4.x)."""
+    return {cache_kwarg(model): cache}
+
+
+def drop_last_slot(cache, layer: int) -> None:
+    """Crop one layer of a DynamicCache by one slot (5.x layers, or 4.x key/value lists)."""
+    if hasattr(cache, "layers"):
+        cache.layers[layer].crop(-1)
+    else:
+        cache.key_cache[layer] = cache.key_cache[layer][..., :-1, :]
+        cache.value_cache[layer] = cache.value_cache[layer][..., :-1, :]
 
 
 def left_pad(prompts):
@@ -58,7 +73,8 @@ def greedy_loop(model, prompts, steps=5, positions="explicit"):
         return {} if positions == "implicit" else {"position_ids": p}
     first = (mask.cumsum(1) - 1).clamp(min=0) if positions == "explicit" else \
         torch.arange(w).expand(b, w)
-    logits = model(input_ids=ids, attention_mask=mask, cache=cache, **pos_kw(first)).logits[:, -1]
+    logits = model(input_ids=ids, attention_mask=mask, **cached(model, cache),
+                   **pos_kw(first)).logits[:, -1]
     n = mask.sum(1)
     outs = []
     for _ in range(steps):
@@ -67,7 +83,7 @@ def greedy_loop(model, prompts, steps=5, positions="explicit"):
         c = cache.get_seq_length()
         mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
         p = n[:, None] if positions == "explicit" else torch.full((b, 1), c)
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, cache=cache,
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, **cached(model, cache),
                        **pos_kw(p)).logits[:, -1]
         n = n + 1
     return torch.stack(outs, 1).tolist()
@@ -96,7 +112,8 @@ def spec_loop(model, prompts, refs, mistake=None):
     pad = w - mask.sum(1)
     cache = DynamicCache()
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], cache=cache)
+    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+          **cached(model, cache))
     cache_mask = mask[:, :-1]
     pending = ids[:, -1]
     n = mask.sum(1)  # real tokens, the pending one included
@@ -109,7 +126,7 @@ def spec_loop(model, prompts, refs, mistake=None):
             torch.cat([cache_mask, torch.ones(b, K + 1, dtype=torch.long)], dim=1)
         p = (c - pad)[:, None] + i if mistake == "positions_count_rejected" else (n - 1)[:, None] + i
         y = model(input_ids=torch.cat([pending[:, None], drafts], 1), attention_mask=m,
-                  position_ids=p, cache=cache).logits.argmax(-1)
+                  position_ids=p, **cached(model, cache)).logits.argmax(-1)
         match = (drafts == y[:, :K]).long().cumprod(1)
         a = match.sum(1)
         keep = int(a.min() if mistake == "crop_to_min" else a.max()) + 1
@@ -146,6 +163,16 @@ def test_silent_on_a_correct_speculative_loop_with_holes(model, refs):
     assert g.forwards == STEPS + 1
     assert all(o == r[: len(o)] for o, r in zip(out, refs))
     assert len({len(o) for o in out}) > 1  # rows really accepted different numbers
+
+
+def test_silent_on_hugging_face_generate_left_padded(model, refs):
+    ids, mask = left_pad(PROMPTS)
+    for mode in ("strict", "fast"):
+        with guard_model(model, mode=mode) as g:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                 pad_token_id=2, eos_token_id=None)
+        assert g.forwards == 5 and g.violations == []
+    assert out[:, ids.shape[1]:].tolist() == [r[:5] for r in refs]
 
 
 # -- each mistake is caught ----------------------------------------------------------------
@@ -201,11 +228,11 @@ def test_catches_cache_layers_of_different_lengths(model):
     ids = torch.tensor([[5, 6, 7]])
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
-        cache.layers[1].crop(-1)
+        model(input_ids=ids, **cached(model, cache))
+        drop_last_slot(cache, 1)
         with pytest.raises(InvariantViolation, match="same length"):
             with guard_model(model):
-                model(input_ids=ids[:, :1], cache=cache)
+                model(input_ids=ids[:, :1], **cached(model, cache))
 
 
 def test_catches_a_cache_position_that_is_not_the_cache_length(model):
@@ -233,7 +260,7 @@ def test_fast_mode_raises_when_the_block_ends(model):
 def test_fast_mode_checks_a_forward_without_reading_tensor_values(model):
     ids, mask = left_pad(PROMPTS)
     with guard_model(model, mode="fast", raise_on_violation=False) as g:
-        with forbid_host_reads():
+        with no_host_transfers():
             g._pre(model, (ids,), {"attention_mask": mask})  # implicit positions: wrong
     assert [v.invariant for v in g.violations] == ["I3"]
 

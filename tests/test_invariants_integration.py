@@ -21,6 +21,8 @@ from specdec import drafters, models
 from specdec.strategies import names as strategy_names
 from specdec.validation import fault_injection
 
+pytestmark = pytest.mark.engine
+
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from invariants import InvariantViolation, Monitor
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 from toy_engine import toy_views
 
 torch.set_num_threads(1)
@@ -41,14 +41,46 @@ def test_off_mode_checks_nothing():
     assert mon.check() == [] and mon.calls == 0
 
 
-def test_strict_raises_at_the_failing_phase():
+def test_strict_raises_at_the_end_of_the_step_naming_the_failing_phase():
     mon = Monitor("strict")
     with pytest.raises(InvariantViolation) as err:
         feed(mon, VIEWS, bad={BAD})
     v = err.value
     assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[BAD][1].step)
     assert v.rows == [0] and v.row_ids == [0]
+    # the realign opens step s; the step's commit view ends it: the one read is there
+    end = next(i for i, (ph, view) in enumerate(VIEWS)
+               if ph == "commit" and view.step == VIEWS[BAD][1].step)
+    assert mon.calls == end + 1
+
+
+def test_strict_with_per_phase_reads_raises_at_the_failing_phase():
+    mon = Monitor("strict", read="phase")
+    with pytest.raises(InvariantViolation) as err:
+        feed(mon, VIEWS, bad={BAD})
+    assert (err.value.invariant, err.value.phase) == ("I3", "realign")
     assert mon.calls == BAD + 1  # nothing after the failing phase ran
+
+
+def test_per_step_and_per_phase_reads_give_the_same_trace():
+    traces = []
+    for read in ("step", "phase"):
+        mon = Monitor("strict", read=read)
+        with pytest.raises(InvariantViolation) as err:
+            feed(mon, VIEWS, bad={BAD, LATER})
+        traces.append(err.value.trace)
+    assert traces[0] == traces[1]
+
+
+def test_a_step_without_a_commit_view_is_read_when_the_next_step_begins():
+    mon = Monitor("strict")
+    views = [(ph, v) for ph, v in VIEWS if ph != "commit"]
+    bad = next(i for i, (ph, v) in enumerate(views) if ph == "realign")
+    with pytest.raises(InvariantViolation) as err:
+        feed(mon, views, bad={bad})
+    assert err.value.phase == "realign"
+    # raised while the first view of the next step came in, before it was checked
+    assert views[mon.calls][1].step == views[bad][1].step + 1
 
 
 def test_fast_never_raises_inside_the_hook():
@@ -82,7 +114,7 @@ def test_context_manager_does_not_mask_the_block_s_own_exception():
 
 def test_fast_hook_reads_no_tensor_value_on_the_host():
     mon = Monitor("fast")
-    with forbid_host_reads():
+    with no_host_transfers():
         feed(mon, VIEWS, bad={BAD})
     with pytest.raises(InvariantViolation):
         mon.check()
@@ -189,22 +221,17 @@ def test_reset_forgets_violations():
     assert mon.violations == [] and mon.calls == 0
 
 
-def test_inputs_already_checked_are_not_checked_again_unless_modified(monkeypatch):
-    from invariants import predicates as P
-
-    calls = []
-    original = P.i3_view_rules
-    monkeypatch.setattr(P, "i3_view_rules", lambda v: calls.append(v.phase) or original(v))
+def test_inputs_already_checked_are_not_checked_again_unless_modified():
     (_, prefill), (_, draft), (_, verify) = VIEWS[:3]
     same = {n: getattr(prefill, n).clone() for n in ("tokens", "valid", "positions")}
     prefill = dataclasses.replace(prefill, **same)  # private copies: VIEWS stays intact
-    mon = Monitor("strict", raise_on_violation=False)
+    mon = Monitor("strict", raise_on_violation=False, read="phase")
     mon("prefill", prefill)
     mon("draft", dataclasses.replace(draft, **same))  # the very tensors checked at prefill
-    assert calls == ["prefill"]
+    assert mon.group_runs["I3.positions"] == 1
     prefill.positions[0, -1] += 1  # modified in place: its version changes
     mon("verify", dataclasses.replace(verify, **same))
-    assert calls == ["prefill", "verify"]
+    assert mon.group_runs["I3.positions"] == 2
     assert [(v.invariant, v.phase) for v in mon.violations] == [("I3", "verify")]
 
 
@@ -249,7 +276,7 @@ def test_rows_absent_from_the_last_view_are_still_checked_for_retroactive_change
     out = v.output.clone()
     out[0, 0] += 1
     m(ph, dataclasses.replace(v, output=out))
-    rules = {r for viol in m.violations for r in viol.rules}
+    rules = {r for viol in m.check() for r in viol.rules}
     assert ("output never changes retroactively" in rules) == caught
     assert all(viol.rows == [0] for viol in m.violations)
 

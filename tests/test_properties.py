@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 
+from conftest import real
 from harness import outcome_failures, run_case
 from hyp_inputs import cases
 
@@ -64,14 +65,34 @@ def test_budgets_and_stop_tokens_are_respected(case):
 
 
 REAL_CASES = cases(families=("llama",), max_rows=4, max_budget=8, context=200, ks=(2, 4))
+REAL_SETTINGS = settings(deadline=None, derandomize=True, database=None,
+                         suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                HealthCheck.too_slow])
 
 
 @pytest.mark.real
-@settings(max_examples=3, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.mark.xdist_group("smollm2-135m-instruct")
+@settings(REAL_SETTINGS, max_examples=3)
 @given(REAL_CASES)
 def test_every_property_holds_on_the_real_model(real_model, case):
     """The same properties over SmolLM2-135M-Instruct (loaded once per session)."""
     o = run_case(case, target=real_model[0])
+    explain(case, o)
+    assert not outcome_failures(o), outcome_failures(o)
+
+
+#: Gemma 3 270M: every prompt past its 512-token sliding window, ids from its whole vocabulary
+GEMMA3_CASES = cases(families=("gemma3-270m",), max_rows=3, max_budget=6, context=600,
+                     ks=(2, 4), shortest=513, vocab=262144)
+
+
+@pytest.mark.real
+@pytest.mark.campaign
+@pytest.mark.xdist_group("gemma3-270m")
+@settings(REAL_SETTINGS, max_examples=2)
+@given(GEMMA3_CASES)
+def test_every_property_holds_on_gemma3_past_its_window(case):
+    """The same properties over Gemma 3 270M, the hybrid sliding/full attention model."""
+    o = run_case(case, target=real("gemma3-270m")[0])
     explain(case, o)
     assert not outcome_failures(o), outcome_failures(o)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import specdec
 from specdec import models, sampling as S
 from specdec.sampling import Sampling
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 
 U32 = st.integers(0, 2**32 - 1)
 SEEDS = st.integers(0, 2**64 - 1)
@@ -105,7 +105,7 @@ def test_choices_use_no_device_rng_no_upload_and_no_host_read(mode):
     rows, t = torch.arange(4), torch.arange(3)[None, :] + torch.tensor([[0], [4], [1], [9]])
     draft_logits = torch.randn(4, 3, 32)
     log = OpLog()
-    with forbid_host_reads(), log:
+    with no_host_transfers(), log:
         S.choose(logits, s, rows, t, drafts, draft_logits)
         S.draft_choice(logits[:, 0], s, rows, t[:, 0])
     assert log.ops and not [o for o in log.ops if any(w in o for w in RNG_WORDS)], log.ops

@@ -1,9 +1,10 @@
 """Sampling on CUDA: the same noise bits and Gumbel noise as on the CPU (the counter-based
 generator uses exact int64 arithmetic, no device RNG), coupled speculative sampling equal
 to plain sampling on the device, and no stream synchronisation inside a choice (CUDA's
-sync debug mode set to "error"). Skipped without a CUDA device (``benchmarks/
-gpu_check.sh`` runs it); ``INVARIANTS_TEST_DEVICE=cpu`` runs it on the CPU against itself,
-to check the test."""
+sync debug mode set to "error"). ``benchmarks/gpu_check.sh`` runs it on a GPU. Without a
+CUDA device (or with ``INVARIANTS_TEST_DEVICE=cpu``) it runs on the CPU against itself, in
+CI, with ``invariants.testing`` (host reads, uploads and data-dependent shapes) in place
+of the sync debug mode."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ import torch
 import specdec
 from specdec import drafters, models, sampling as S
 from specdec.sampling import Sampling
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 
-DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+DEVICE = os.environ.get("INVARIANTS_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 
 def test_noise_bits_and_gumbel_noise_are_the_same_on_the_device_and_the_cpu():
     rows = torch.arange(64).repeat_interleave(64)
     t = torch.arange(64).repeat(64)
-    ids = torch.arange(49_152)
+    ids = torch.arange(49_152 if DEVICE.startswith("cuda") else 4_096)  # smaller CPU self-check
     for seed in (0, 12345, 2**64 - 1):
         k_cpu = S.keys(seed, rows, t, S.COUPLED)
         k_dev = S.keys(seed, rows.to(DEVICE), t.to(DEVICE), S.COUPLED)
@@ -63,7 +64,7 @@ def test_a_choice_never_synchronises_the_stream(mode):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     else:
-        with forbid_host_reads():
+        with no_host_transfers():
             S.choose(logits, s, rows, t, drafts, logits)
 
 

@@ -247,8 +247,11 @@ class WindowHoles:
             self.seen |= has_holes(torch.cat([torch.ones_like(tail[:, :1]), tail], dim=1))
 
 
-def test_holes_sliding_window_beyond_the_window(monkeypatch):
-    target, draft = tiny_pair(models.SLIDING_FAMILY)
+@pytest.mark.parametrize("family", [models.SLIDING_FAMILY, models.HYBRID_FAMILY])
+def test_holes_sliding_window_beyond_the_window(monkeypatch, family):
+    """Every layer sliding (mistral), or sliding layers mixed with full ones (gemma3: one
+    position mask per layer type)."""
+    target, draft = tiny_pair(family)
     window = target.config.sliding_window
     prompts = random_prompts((5, 30, 12, 40), models.TINY_VOCAB, seed=2)
     new = 40  # every row ends beyond the window
@@ -259,12 +262,19 @@ def test_holes_sliding_window_beyond_the_window(monkeypatch):
         res = run(target, prompts, "holes", drafter=drafter, k=4, batch_size=4,
                   max_new_tokens=new, hole_threshold=1.0, hooks=[rec])
         assert res.sequences == ref and rec.seen and res.stats.compactions == 0
-    # control: the slot-based mask Hugging Face would build diverges on the same run
-    monkeypatch.setattr(cache_mod, "position_mask", lambda model, mask, *a: mask.long())
-    res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)),
-                           k=4, batch_size=4, max_new_tokens=new, strategy="holes",
-                           hole_threshold=1.0)
-    assert res.sequences != ref
+    # controls: the slot-based mask Hugging Face would build diverges on the same run; so
+    # does, on the hybrid family, the window applied to its full-attention layers too
+    position_mask = cache_mod.position_mask
+    wrong = [lambda model, mask, *a: mask.long()]
+    if cache_mod.layer_types(target) is not None:
+        wrong.append(lambda model, mask, kpos, qpos, win: {
+            t: position_mask(model, mask, kpos, qpos, win) for t in cache_mod.layer_types(model)})
+    for masks in wrong:
+        monkeypatch.setattr(cache_mod, "position_masks", masks)
+        res = specdec.generate(target, prompts, k=4, batch_size=4, max_new_tokens=new,
+                               drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)),
+                               strategy="holes", hole_threshold=1.0)
+        assert res.sequences != ref
 
 
 def test_holes_refuses_sliding_windows_it_cannot_mask():
@@ -274,9 +284,10 @@ def test_holes_refuses_sliding_windows_it_cannot_mask():
         specdec.generate(model, [[5, 6, 7]], strategy="holes", max_new_tokens=2)
 
 
-def test_holes_eager_attention_sliding_window():
+@pytest.mark.parametrize("family", [models.SLIDING_FAMILY, models.HYBRID_FAMILY])
+def test_holes_eager_attention_sliding_window(family):
     """The additive float form of the position mask (eager attention)."""
-    model = models.tiny(models.SLIDING_FAMILY)
+    model = models.tiny(family)
     model.config._attn_implementation = "eager"
     prompts = random_prompts((30, 9), models.TINY_VOCAB, seed=6)
     ref = specdec.reference_generate(model, prompts, max_new_tokens=24)

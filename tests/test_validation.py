@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import specdec
 from specdec import drafters, engine, models, phases, validation
 from conftest import tiny_pair
-from host_reads import forbid_host_reads
+from invariants.testing import no_host_transfers
 from specdec.strategies import names as strategy_names
 
 VOCAB = models.TINY_VOCAB
@@ -184,7 +184,7 @@ def test_bad_drafts_never_reach_the_embedding_and_cost_no_host_read(target):
     try:
         with torch.no_grad():
             batch = phases.prefill(ctx, state, [[5, 6, 7], [9, 10]], [0, 1], [8, 8])
-            with forbid_host_reads():
+            with no_host_transfers():
                 spec = phases.speculate(ctx, state, batch)
     finally:
         handle.remove()

@@ -61,9 +61,12 @@ cache); row order is not kept (``row_ids`` says which request each row serves).
 Sliding-window models. Transformers builds the sliding mask over slot indices, which
 over-restricts the window once holes separate slots from positions. With holes the
 engine and ``ModelDrafter`` pass the position of every mask column
-(``cache.forward(key_positions=...)``) and ``cache.position_mask`` builds the 4-D mask
-from positions (sdpa: bool, eager: additive float; other attention implementations and
-models mixing full and sliding layers are refused up front by ``check_model``).
+(``cache.forward(key_positions=...)``) and ``cache.position_masks`` builds the 4-D mask
+from positions (sdpa: bool, eager: additive float; other attention implementations are
+refused up front by ``check_model``). A model mixing full and sliding layers (Gemma 3)
+gets one such mask per layer type, the full layers' without the window. Every layer
+keeps every slot (``SlabCache`` has no ring buffer), so compaction after the window has
+slid past a hole moves the same slots as on a full-attention model.
 
 Drafters. ``NGramDrafter`` matches on ``RaggedBatch.contiguous_tokens()`` (an int gather
 with the same compaction formula), so no suffix spans a hole. ``ModelDrafter``'s cache has

@@ -1,0 +1,1293 @@
+"""The rules of I1-I6 as records: what the Monitor, the per-invariant API and the trace
+renderer dispatch on.
+
+A ``Rule`` carries its ``id``, its ``invariant``, its ``sentence`` (a template filled
+with the view's host facts, ``text(view)``), the view fields it ``reads``, and either
+
+- ``mask(facts) -> [B] bool`` (a device rule: True on the rows that break it; None when
+  it does not apply to this view), or
+- ``host(view) -> bool`` (a host-fact rule: shapes and cache widths; broken or not, no
+  kernel),
+
+plus ``slots(facts) -> [B, X] bool`` (the offending slots a trace shows) and ``columns``,
+what those slots index: ``"slots"`` (the view's slots), ``"forward"`` (columns of the
+recorded forward's mask) or ``"output"`` (output indices).
+
+Rules that read the same tensors form a ``Group``. A group also has ``fused(facts)``:
+one tensor expression equal to the OR of its device rules' masks, row by row (tested on
+adversarial views in ``tests/test_invariants_rules.py``). The Monitor evaluates the fused
+expression on the hot path and, only when it flags a row, re-evaluates the rules one by
+one to name them. ``reads`` is what the Monitor compares between phases: a group whose
+inputs are the very tensors (same ``_version``) it checked last time is not run again.
+
+``Facts`` holds one view, the monitor's state (stop ids, output snapshot, prompts) and
+the intermediate tensors several rules share (computed once per view, on demand).
+Nothing here reads a tensor's values on the host, uploads host data or produces a
+data-dependent shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+import torch
+
+from . import predicates as P
+from .view import StepView
+
+#: what a rule's slots index (the trace renderer's grid dispatches on it)
+COLUMNS = ("slots", "forward", "output")
+
+
+@dataclass(frozen=True)
+class Rule:
+    # stable identifier, "I6.commit.predictions"
+    id: str
+    # "I1" .. "I7"
+    invariant: str
+    # what must hold; "{name}" fields are filled by ``words(view)``
+    sentence: str
+    # the view fields (and monitor state: "prev", "prompts", "stops") it reads
+    reads: tuple
+    # device rule: facts -> [B] bool, True on rows that break it (None: not applicable)
+    mask: Callable | None = None
+    # host rule: view -> True when broken
+    host: Callable | None = None
+    # facts -> [B, X] bool offending slots (None: no slots)
+    slots: Callable | None = None
+    # what the slots index: one of COLUMNS, or None
+    columns: str | None = None
+    # among a violation's failing rules, the one with the highest priority picks the slots
+    slot_priority: int = 0
+    # the grid lines a trace draws for it: "valid", "pos", "want", "token" over the view's
+    # slots; "mask", "valid", "pos", "want" over the forward's mask columns
+    lines: tuple = ("valid", "pos")
+    # view -> whether the rule applies at all (host condition)
+    applies: Callable = field(default=lambda view: True)
+
+    def text(self, view: StepView | None = None, **extra) -> str:
+        """The sentence filled with the view's host facts (``words``) and ``extra``."""
+        if "{" not in self.sentence:
+            return self.sentence
+        return self.sentence.format(**({} if view is None else words(view)), **extra)
+
+
+@dataclass(frozen=True)
+class Group:
+    # "I6.state"
+    name: str
+    invariant: str
+    rules: tuple
+    # names resolved by ``Facts.dep`` to compare between phases; None: always run
+    reads: tuple | None
+    # view -> whether the group runs at this phase/profile (host condition)
+    applies: Callable = field(default=lambda view: True)
+    # facts -> [B] bool, the OR of the device rules (None when none applies)
+    fused: Callable | None = None
+    # view -> True when no host rule can be broken (a quick test; None: test each rule)
+    host_ok: Callable | None = None
+
+    @property
+    def host_rules(self) -> tuple:
+        return tuple(r for r in self.rules if r.host is not None)
+
+    @property
+    def device_rules(self) -> tuple:
+        return tuple(r for r in self.rules if r.mask is not None)
+
+
+def words(view: StepView) -> dict:
+    """The host facts rule sentences are filled with."""
+    b, w, k = view.batch_size, view.width, view.k
+    f = view.forward
+    return {
+        "B": b, "W": w, "k": k, "k1": k + 1, "phase": view.phase,
+        "want": view.expected_cache_width(),
+        "which": "W + k" if view.phase in ("verify", "commit") else "W - 1",
+        "dw": w - 1 + view.draft_cache_lag,
+        "c": f.cache_width if f is not None else 0,
+        "q": f.input_ids.shape[-1] if f is not None else 0,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Facts: one view, the monitor's state, shared intermediates
+# ---------------------------------------------------------------------------------------
+
+class Constants:
+    """Device constants reused across views (``arange`` rows, ``ones``): built once per
+    size and device by fill kernels, never uploaded."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def row(self, n: int, device) -> torch.Tensor:
+        """[1, n] long: 0 .. n-1."""
+        key = ("row", n, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.arange(n, device=device)[None, :]
+        return t
+
+    def count(self, value: int, b: int, device) -> torch.Tensor:
+        """[b] long, all ``value``."""
+        key = ("count", value, b, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.full((b,), value, dtype=torch.long, device=device)
+        return t
+
+    def zeros(self, b: int, device) -> torch.Tensor:
+        """[b] bool, all False."""
+        key = ("zeros", b, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.zeros(b, dtype=torch.bool, device=device)
+        return t
+
+    def ones(self, b: int, n: int, device) -> torch.Tensor:
+        """[b, n] bool, all True."""
+        key = ("ones", b, n, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.ones(b, n, dtype=torch.bool, device=device)
+        return t
+
+
+class Facts:
+    """A view with the monitor's state, and the tensors several rules share."""
+
+    def __init__(self, view: StepView, *, stops=None, prev: P.Snapshot | None = None,
+                 prompts: P.Prompts | None = None, consts: Constants | None = None,
+                 lookups: dict | None = None):
+        self.view = view
+        self.stops = P.stop_ids(view, stops)
+        self.prev = prev
+        self.prompts = prompts
+        self.consts = consts if consts is not None else Constants()
+        self._lookups = lookups if lookups is not None else {}
+        self.B = view.batch_size
+        self.device = view.device
+
+    def dep(self, name: str):
+        """What ``reads`` names: a view field, or monitor state."""
+        if name == "prev":
+            return self.prev
+        if name == "prompts":
+            return self.prompts
+        if name == "stops":
+            return self.stops
+        if name == "is_commit":
+            return self.view.phase == "commit"
+        if name == "is_prefill":
+            return self.view.phase == "prefill"
+        return getattr(self.view, name)
+
+    # -- slots --------------------------------------------------------------------------
+    @cached_property
+    def valid(self) -> torch.Tensor:  # [B, W] bool
+        v = self.view.valid
+        return v if v.dtype == torch.bool else v.bool()
+
+    @cached_property
+    def counted(self) -> torch.Tensor:  # [B, W] long: valid slots up to and including j
+        return self.valid.cumsum(dim=1)
+
+    @cached_property
+    def rank(self) -> torch.Tensor:
+        """[B, W] long: valid slots before j, exact at valid slots (the only ones read)."""
+        return self.counted - 1
+
+    # -- output -------------------------------------------------------------------------
+    @cached_property
+    def stop_out(self) -> torch.Tensor:  # [B, T] bool
+        return P.stop_mask(self.view.output, self.stops)
+
+    @cached_property
+    def last_index(self) -> torch.Tensor:  # [B, 1] long: the last output's index, clamped
+        t = self.view.output.shape[1]
+        return (self.view.generated - 1).clamp(0, max(t - 1, 0))[:, None]
+
+    @cached_property
+    def last_stop(self) -> torch.Tensor:  # [B] bool: the last output is a stop token
+        g, t = self.view.generated, self.view.output.shape[1]
+        if not t:
+            return torch.zeros_like(g, dtype=torch.bool)
+        return self.stop_out.gather(1, self.last_index)[:, 0] & (g > 0)
+
+    @cached_property
+    def after_stop(self) -> torch.Tensor:  # [B, T] bool: a stop token before the last output
+        t = self.view.output.shape[1]
+        return self.stop_out & (self.consts.row(t, self.device) < (self.view.generated - 1)[:, None])
+
+    @cached_property
+    def at_budget(self) -> torch.Tensor:  # [B] bool
+        return self.view.generated >= self.view.budgets
+
+    @cached_property
+    def finished(self) -> torch.Tensor:  # [B] bool
+        f = self.view.finished
+        return f if f.dtype == torch.bool else f.bool()
+
+    # -- earlier state, by request id -----------------------------------------------------
+    def _rows_of(self, table_state):
+        """(rows [B, X] of ``table_state.table`` for the view's requests, found [B] bool or
+        None when every row is known): the newest block directly when the view holds the
+        very rows it came from, else a search by request id (cached per row-id tensor)."""
+        v = self.view
+        if table_state.newest == self.B and P.same_rows(table_state.source, v.row_ids):
+            return table_state.table[: self.B], None
+        key = (id(v.row_ids), id(table_state))
+        hit = self._lookups.get(key)
+        if hit is not None and hit[0] is v.row_ids and hit[1] is table_state \
+                and P.same_rows(hit[2], v.row_ids):
+            return hit[3]
+        idx, found = P.match_rows(v.row_ids, table_state.row_ids)
+        out = (table_state.table.index_select(0, idx), found)
+        self._lookups[key] = (v.row_ids, table_state, P._source(v.row_ids), out)
+        return out
+
+    @cached_property
+    def prev_rows(self):
+        """(generated [B], finished [B] bool, output [B, T'], found [B] bool | None) of the
+        previous snapshot, for the view's rows."""
+        rows, found = self._rows_of(self.prev)
+        return rows[:, 1], rows[:, 2] != 0, rows[:, 3:], found
+
+    @cached_property
+    def prompt_rows(self):
+        """(prompt lengths [B], prompt tokens [B, P], found [B] bool | None)."""
+        rows, found = self._rows_of(self.prompts)
+        return rows[:, 1], rows[:, 2:], found
+
+    @cached_property
+    def active_before(self) -> torch.Tensor:
+        """[B] bool: rows not finished at the previous snapshot (unknown rows count active)."""
+        if self.prev is None:
+            return self.consts.ones(1, self.B, self.device)[0]
+        _, pfin, _, found = self.prev_rows
+        return ~pfin if found is None else ~(pfin & found)
+
+    # -- the recorded forward -------------------------------------------------------------
+    @cached_property
+    def fmask(self) -> torch.Tensor:  # [B, C + q] bool
+        m = self.view.forward.attention_mask
+        return m if m.dtype == torch.bool else m.bool()
+
+    @cached_property
+    def extended(self):
+        """(tokens, valid) [B, W + k] at verify/commit (drafts appended, valid), else the
+        view's own."""
+        v = self.view
+        if v.drafts is not None and v.phase in ("verify", "commit"):
+            return (torch.cat([v.tokens, v.drafts], dim=1),
+                    torch.cat([self.valid, self.consts.ones(*v.drafts.shape, self.device)], dim=1))
+        return v.tokens, self.valid
+
+
+def _found(mask: torch.Tensor, found: torch.Tensor | None) -> torch.Tensor:
+    return mask if found is None else mask & found
+
+
+# ---------------------------------------------------------------------------------------
+# I1 rectangular alignment (host facts)
+# ---------------------------------------------------------------------------------------
+
+_PER_ROW = ("lengths", "prompt_lengths", "budgets", "generated", "finished", "row_ids")
+
+I1_RULES = (
+    Rule("I1.token_shapes", "I1", "tokens, valid and positions are [B, W]",
+         ("tokens", "valid", "positions"),
+         host=lambda v: not (tuple(v.valid.shape) == (v.batch_size, v.width)
+                             and tuple(v.positions.shape) == (v.batch_size, v.width))),
+    Rule("I1.row_shapes", "I1",
+         "lengths, prompt_lengths, budgets, generated, finished, row_ids are [B]",
+         _PER_ROW + ("output",),
+         host=lambda v: any(tuple(getattr(v, n).shape) != (v.batch_size,) for n in _PER_ROW)
+         or v.output.dim() != 2 or v.output.shape[0] != v.batch_size),
+    Rule("I1.cache_width", "I1", "every target cache layer has width {want} ({phase}: {which})",
+         ("cache_widths",),
+         host=lambda v: len(v.cache_widths) == 0
+         or any(c != v.expected_cache_width() for c in v.cache_widths)),
+    Rule("I1.cache_batch", "I1", "every target cache layer has batch size B = {B}",
+         ("cache_batch_sizes", "cache_widths"),
+         host=lambda v: any(s != v.batch_size and not (s <= 0 and c == 0)
+                            for s, c in zip(v.cache_batch_sizes, v.cache_widths))),
+    Rule("I1.draft_cache_width", "I1",
+         "every draft cache layer has width W - 1 + draft_cache_lag = {dw}",
+         ("draft_cache_widths", "draft_cache_lag"),
+         host=lambda v: any(c != v.width - 1 + v.draft_cache_lag for c in v.draft_cache_widths),
+         applies=lambda v: bool(v.draft_cache_widths)),
+    Rule("I1.drafts_shape", "I1", "drafts are [B, k] = [{B}, {k}]", ("drafts",),
+         host=lambda v: tuple(v.drafts.shape) != (v.batch_size, v.k),
+         applies=lambda v: v.drafts is not None),
+    Rule("I1.predictions_shape", "I1", "predictions are [B, k+1] = [{B}, {k1}]",
+         ("predictions",),
+         host=lambda v: tuple(v.predictions.shape) != (v.batch_size, v.k + 1),
+         applies=lambda v: v.predictions is not None),
+    Rule("I1.forward_shapes", "I1", "forward input_ids and positions are [B, q]", ("forward",),
+         host=lambda v: not (v.forward.input_ids.shape[0] == v.batch_size
+                             and tuple(v.forward.positions.shape[-1:])
+                             == (v.forward.input_ids.shape[-1],)
+                             and v.forward.positions.shape[0] in (1, v.batch_size)),
+         applies=lambda v: v.forward is not None),
+)
+
+
+
+def _i1_ok(v: StepView) -> bool:
+    """No I1 rule is broken (one pass over the host facts; the rules say which is)."""
+    shape = v.tokens.shape
+    if len(shape) != 2 or v.valid.shape != shape or v.positions.shape != shape:
+        return False
+    b, w = shape
+    row = (b,)
+    for t in (v.lengths, v.prompt_lengths, v.budgets, v.generated, v.finished, v.row_ids):
+        if t.shape != row:
+            return False
+    if v.output.dim() != 2 or v.output.shape[0] != b:
+        return False
+    want = v.expected_cache_width()
+    widths = v.cache_widths
+    if not widths or any(c != want for c in widths):
+        return False
+    if any(s != b and not (s <= 0 and c == 0) for s, c in zip(v.cache_batch_sizes, widths)):
+        return False
+    if v.draft_cache_widths:
+        dw = w - 1 + v.draft_cache_lag
+        if any(c != dw for c in v.draft_cache_widths):
+            return False
+    if v.drafts is not None and v.drafts.shape != (b, v.k):
+        return False
+    if v.predictions is not None and v.predictions.shape != (b, v.k + 1):
+        return False
+    f = v.forward
+    if f is not None:
+        q = f.input_ids.shape[-1]
+        if not (f.input_ids.shape[0] == b and f.positions.shape[-1:] == (q,)
+                and f.positions.shape[0] in (1, b)):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# I2 layout
+# ---------------------------------------------------------------------------------------
+
+def _layout(f: Facts):
+    return P.layout_slots(f.view)
+
+
+R_N_RANGE = Rule("I2.n_range", "I2", "1 <= n[b] <= W", ("lengths",),
+                 mask=lambda f: (f.view.lengths < 1) | (f.view.lengths > f.view.width),
+                 slots=_layout, columns="slots")
+R_CONTIGUOUS = Rule(
+    "I2.contiguous", "I2", "valid[b] = 0^(W - n[b]) 1^(n[b]) (contiguous profile)",
+    ("valid", "lengths"),
+    mask=lambda f: P.contiguous_layout_slots(f.valid, f.view.lengths).any(dim=1),
+    slots=_layout, columns="slots")
+R_MINIMAL = Rule(
+    "I2.minimal_width", "I2", "min over rows of the left padding W - n[b] is 0 (minimal width)",
+    ("lengths",),
+    mask=lambda f: ((f.view.width - f.view.lengths).min() != 0).expand(f.B),
+    slots=_layout, columns="slots")
+R_HOLES_COUNT = Rule("I2.holes_count", "I2", "n[b] = number of valid slots", ("valid", "lengths"),
+                     mask=lambda f: f.valid.sum(dim=1) != f.view.lengths,
+                     slots=_layout, columns="slots")
+R_HOLES_PENDING = Rule(
+    "I2.holes_pending", "I2",
+    "the pending token of every active row sits in slot W - 1 (holes profile)",
+    ("valid", "finished"),
+    mask=lambda f: ~f.valid[:, -1] & ~f.finished, slots=_layout, columns="slots")
+R_GROUPED = Rule(
+    "I2.grouped", "I2", "no padding: every slot is valid and n[b] = W (grouped profile)",
+    ("valid", "lengths"),
+    mask=lambda f: (~f.valid).any(dim=1) | (f.view.lengths != f.view.width),
+    slots=_layout, columns="slots")
+
+
+def _fused_contiguous(f: Facts) -> torch.Tensor:
+    v, n = f.view, f.view.lengths
+    # n > W needs no term of its own: it makes max(n) != W, which flags every row
+    lay = (f.valid != (f.consts.row(v.width, f.device) >= (v.width - n)[:, None])).any(dim=1)
+    return lay | (n < 1) | (n.max() != v.width)
+
+
+def _fused_holes(f: Facts) -> torch.Tensor:
+    n = f.view.lengths
+    # n > W cannot equal a count of at most W valid slots
+    return (n < 1) | (f.valid.sum(dim=1) != n) | ~(f.valid[:, -1] | f.finished)
+
+
+def _fused_grouped(f: Facts) -> torch.Tensor:
+    n = f.view.lengths
+    return ~f.valid.all(dim=1) | (n != f.view.width) | (n < 1)
+
+
+# ---------------------------------------------------------------------------------------
+# I3 position-id contiguity
+# ---------------------------------------------------------------------------------------
+
+R_POSITIONS = Rule(
+    "I3.positions", "I3", "at every valid slot j, positions[b, j] = number of valid slots before j",
+    ("valid", "positions"),
+    mask=lambda f: P.position_slots(f.valid, f.view.positions).any(dim=1),
+    slots=lambda f: P.position_slots(f.valid, f.view.positions), columns="slots",
+    lines=("valid", "pos", "want"))
+
+
+def _forward_rule_mask(f: Facts):
+    fs = P.forward_slots(f.view)
+    return None if fs is None else fs.any(dim=1)
+
+
+def _forward_rule_slots(f: Facts):
+    """[B, C + q] bool over the forward's mask columns (cache columns never offend)."""
+    fs = P.forward_slots(f.view)
+    if fs is None:
+        return None
+    c = f.view.forward.cache_width
+    return torch.cat([torch.zeros(fs.shape[0], c, dtype=torch.bool, device=fs.device), fs], dim=1)
+
+
+R_FORWARD_POSITIONS = Rule(
+    "I3.forward_positions", "I3",
+    "the forward's position of every new token = number of valid mask slots before it",
+    ("forward", "draft_limit", "phase"),
+    mask=_forward_rule_mask, slots=_forward_rule_slots, columns="forward",
+    lines=("mask", "pos", "want"))
+
+
+def _fused_positions(f: Facts) -> torch.Tensor:
+    # counted - 1 is the number of valid slots before j at every valid slot
+    return (f.valid & (f.view.positions + 1 != f.counted)).any(dim=1)
+
+
+def _fused_forward_positions(f: Facts):
+    v, fw = f.view, f.view.forward
+    c, q = fw.cache_width, fw.input_ids.shape[-1]
+    m = f.fmask
+    if m.shape[-1] < c + q:
+        return None
+    counted = m.cumsum(dim=1)[:, c : c + q]
+    bad = m[:, c : c + q] & (fw.positions + 1 != counted)
+    if v.phase in ("verify", "commit") and v.draft_limit is not None:
+        bad = bad & (f.consts.row(q, f.device) <= v.draft_limit[:, None])
+    return bad.any(dim=1)
+
+
+# ---------------------------------------------------------------------------------------
+# I4 mask coherence (the recorded forward)
+# ---------------------------------------------------------------------------------------
+
+def _mask_slots(f: Facts):
+    return P.mask_slots(f.view)
+
+
+def _mask_part(f: Facts, cache: bool):
+    ms = P.mask_slots(f.view)
+    if ms is None:
+        return None
+    c = f.view.forward.cache_width
+    return (ms[:, :c] if cache else ms[:, c:]).any(dim=1)
+
+
+def _inputs_rule(f: Facts):
+    fw = f.view.forward
+    c, q = fw.cache_width, fw.input_ids.shape[-1]
+    if P.mask_slots(f.view) is None:
+        return None
+    tokens, valid = f.extended
+    if fw.input_ids.shape != tokens[:, c : c + q].shape:
+        return None
+    return ((fw.input_ids != tokens[:, c : c + q]) & valid[:, c : c + q]).any(dim=1)
+
+
+def _mask_malformed(v: StepView) -> bool:
+    fw = v.forward
+    m = fw.attention_mask
+    return m.dim() != 2 or m.shape[-1] != fw.cache_width + fw.input_ids.shape[-1] \
+        or m.shape[0] != v.batch_size
+
+
+I4_RULES = (
+    Rule("I4.mask_shape", "I4", "the mask is 2-D of width cache width + new tokens = {c} + {q}",
+         ("forward",), host=_mask_malformed, slots=_mask_slots, columns="forward",
+         lines=("mask", "valid")),
+    Rule("I4.forward_width", "I4",
+         "cache width before the forward + new tokens = the phase's cache width {want}",
+         ("forward",),
+         host=lambda v: v.forward.cache_width + v.forward.input_ids.shape[-1]
+         != v.expected_cache_width(), slots=_mask_slots, columns="forward",
+         lines=("mask", "valid")),
+    Rule("I4.mask_cache", "I4", "the mask over cache slots equals valid",
+         ("forward", "valid", "drafts", "phase"),
+         mask=lambda f: _mask_part(f, True), slots=_mask_slots, columns="forward",
+         lines=("mask", "valid")),
+    Rule("I4.mask_new", "I4",
+         "the mask over new tokens equals their validity (pending and drafts valid)",
+         ("forward", "valid", "drafts", "phase"),
+         mask=lambda f: _mask_part(f, False), slots=_mask_slots, columns="forward",
+         lines=("mask", "valid")),
+    Rule("I4.inputs", "I4",
+         "the forward's inputs are the row's tokens at the new slots (pending ++ drafts at verify)",
+         ("forward", "tokens", "valid", "drafts", "phase"),
+         mask=_inputs_rule, slots=_mask_slots, columns="forward",
+         lines=("mask", "valid")),
+)
+
+
+def _fused_mask(f: Facts):
+    v, fw = f.view, f.view.forward
+    c, q = fw.cache_width, fw.input_ids.shape[-1]
+    span = c + q
+    tokens, valid = f.extended
+    m = fw.attention_mask
+    if m.dim() != 2 or m.shape[1] != span or span > valid.shape[1] or m.shape[0] != v.batch_size:
+        return None
+    bad = (f.fmask != valid[:, :span]).any(dim=1)
+    if fw.input_ids.shape == tokens[:, c:span].shape:
+        bad = bad | ((fw.input_ids != tokens[:, c:span]) & valid[:, c:span]).any(dim=1)
+    return bad
+
+
+# ---------------------------------------------------------------------------------------
+# I6 token conservation
+# ---------------------------------------------------------------------------------------
+
+def _output_slots(f: Facts):
+    return f.after_stop
+
+
+_TOKEN_LINES = ("valid", "pos", "token")
+
+
+def _i6(id_: str, sentence: str, reads: tuple, mask) -> Rule:
+    """An I6 rule whose offending slots are output indices (stop tokens before the end)."""
+    return Rule(id_, "I6", sentence, reads, mask=mask, slots=_output_slots, columns="output",
+                lines=_TOKEN_LINES)
+
+
+_STATE = ("output", "generated", "budgets", "finished", "stops")
+
+I6_STATE_RULES = (
+    _i6("I6.generated_range", "0 <= generated[b] <= budget[b]", ("generated", "budgets"),
+        lambda f: (f.view.generated < 0) | (f.view.generated > f.view.budgets)),
+    _i6("I6.output_width", "generated[b] <= output width", ("generated", "output"),
+        lambda f: f.view.generated > f.view.output.shape[1]),
+    _i6("I6.after_stop", "nothing after the first stop token", ("output", "generated", "stops"),
+        lambda f: f.after_stop.any(dim=1)),
+    _i6("I6.stop_finishes", "a row whose output ends in a stop token is finished", _STATE,
+        lambda f: f.last_stop & ~f.finished),
+    _i6("I6.budget_finishes", "a row at its budget is finished", _STATE,
+        lambda f: f.at_budget & ~f.finished),
+    _i6("I6.finished_why", "a finished row ended on a stop token or its budget", _STATE,
+        lambda f: f.finished & ~(f.last_stop | f.at_budget)),
+)
+
+
+def _fused_state(f: Facts) -> torch.Tensor:
+    v = f.view
+    g = v.generated
+    t = v.output.shape[1]
+    # the three finishing rules together: finished exactly when it ends on a stop or budget
+    return (g < 0) | (g > v.budgets.clamp(max=t)) | f.after_stop.any(dim=1) \
+        | (f.finished != (f.last_stop | f.at_budget))
+
+
+def _retro(f: Facts):
+    v = f.view
+    pg, _, pout, found = f.prev_rows
+    tt = min(v.output.shape[1], pout.shape[1])
+    if not tt:
+        return None
+    changed = (v.output[:, :tt] != pout[:, :tt]) & (f.consts.row(tt, f.device) < pg[:, None])
+    return _found(changed.any(dim=1), found)
+
+
+def _generated_before_rule(f: Facts):
+    v = f.view
+    if not (v.phase == "commit" and v.generated_before is not None):
+        return None
+    pg, _, _, found = f.prev_rows
+    return _found(v.generated_before != pg, found)
+
+
+def _generated_only_at_commit(f: Facts):
+    v = f.view
+    if v.phase == "commit" and v.generated_before is not None:
+        return None
+    pg, _, _, found = f.prev_rows
+    return _found(v.generated != pg, found)
+
+
+_HISTORY = ("output", "generated", "generated_before", "row_ids", "prev", "is_commit")
+
+I6_HISTORY_RULES = (
+    _i6("I6.retroactive", "output never changes retroactively", _HISTORY, _retro),
+    _i6("I6.generated_before", "generated_before = generated after the previous step",
+        _HISTORY, _generated_before_rule),
+    _i6("I6.generated_at_commit", "generated changes only at commit", _HISTORY,
+        _generated_only_at_commit),
+)
+
+
+def _fused_history(f: Facts):
+    v = f.view
+    pg, _, pout, found = f.prev_rows
+    if v.phase == "commit" and v.generated_before is not None:
+        bad = v.generated_before != pg
+    else:
+        bad = v.generated != pg
+    tt = min(v.output.shape[1], pout.shape[1])
+    if tt:
+        changed = (v.output[:, :tt] != pout[:, :tt]) & (f.consts.row(tt, f.device) < pg[:, None])
+        bad = bad | changed.any(dim=1)
+    return _found(bad, found)
+
+
+def _before(f: Facts) -> torch.Tensor:
+    v = f.view
+    return v.generated_before if v.generated_before is not None else v.generated - v.committed
+
+
+def _committed_tokens(f: Facts):
+    v = f.view
+    t = v.output.shape[1]
+    if v.predictions is None or not t:
+        return None
+    i = f.consts.row(v.k + 1, f.device)
+    wrote = v.output.gather(1, (_before(f)[:, None] + i).clamp(0, t - 1))
+    return ((wrote != v.predictions) & (i < v.committed[:, None])).any(dim=1)
+
+
+def _accepted_rule(f: Facts):
+    v = f.view
+    if v.accepted is None:
+        return None
+    a, m = v.accepted, v.committed
+    cut = f.last_stop | f.at_budget
+    return f.active_before & ((m > a + 1) | ((m < a + 1) & ~cut))
+
+
+def _same(f: Facts) -> torch.Tensor:
+    return f.view.drafts == f.view.predictions[:, : f.view.k]
+
+
+def _has_drafts(v: StepView) -> bool:
+    return v.accepted is not None and v.drafts is not None and v.predictions is not None and v.k > 0
+
+
+def _drafts_equal(f: Facts):
+    v = f.view
+    if not _has_drafts(v):
+        return None
+    j = f.consts.row(v.k, f.device)
+    return ((~_same(f)) & (j < v.accepted[:, None])).any(dim=1)
+
+
+def _accepted_range(f: Facts):
+    v = f.view
+    if _has_drafts(v) and v.draft_limit is not None:
+        return (v.accepted < 0) | (v.accepted > v.draft_limit)
+    if v.accepted is not None and v.k == 0 and not _has_drafts(v):
+        return v.accepted != 0
+    return None
+
+
+def _longest_prefix(f: Facts):
+    v = f.view
+    if not (_has_drafts(v) and v.draft_limit is not None):
+        return None
+    a = v.accepted
+    nxt = _same(f).gather(1, a.clamp(0, v.k - 1)[:, None])[:, 0]
+    return (a < v.draft_limit) & nxt
+
+
+_COMMIT = ("generated", "committed", "generated_before", "predictions", "accepted", "drafts",
+           "draft_limit", "output", "budgets", "prev", "stops")
+
+I6_COMMIT_RULES = (
+    _i6("I6.generated_sum", "generated = generated_before + committed", _COMMIT,
+        lambda f: f.view.generated != _before(f) + f.view.committed),
+    _i6("I6.committed_range", "1 <= committed <= k + 1 = {k1} for a row active before the step",
+        _COMMIT, lambda f: f.active_before & ((f.view.committed < 1)
+                                              | (f.view.committed > f.view.k + 1))),
+    _i6("I6.committed_tokens", "the committed tokens are the target's predictions y_0 .. y_(m-1)",
+        _COMMIT, _committed_tokens),
+    _i6("I6.committed_accepted",
+        "committed = accepted + 1, fewer only when cut at a stop token or the budget", _COMMIT,
+        _accepted_rule),
+    _i6("I6.drafts_equal", "accepted drafts equal the target's predictions", _COMMIT,
+        _drafts_equal),
+    _i6("I6.accepted_range", "0 <= accepted <= draft_limit", _COMMIT, _accepted_range),
+    _i6("I6.longest_prefix", "accepted is the longest matching prefix of the drafts", _COMMIT,
+        _longest_prefix),
+)
+
+
+def _fused_commit(f: Facts) -> torch.Tensor:
+    v = f.view
+    m, k = v.committed, v.k
+    bad = v.generated != _before(f) + m
+    wrong = (m < 1) | (m > k + 1)
+    if v.accepted is not None:
+        a1 = v.accepted + 1
+        wrong = wrong | (m > a1) | ((m < a1) & ~(f.last_stop | f.at_budget))
+    bad = bad | (f.active_before & wrong)
+    for rule in (_committed_tokens, _drafts_equal, _accepted_range, _longest_prefix):
+        r = rule(f)
+        if r is not None:
+            bad = bad | r
+    return bad
+
+
+def _sequence_applies(f: Facts) -> bool:
+    return f.view.phase != "prefill" and f.prompts is not None and P.consumed(f.view) is not None
+
+
+def _wanted(f: Facts, rank: torch.Tensor):
+    """(want [B, W]: the row's prompt ++ output at each slot's rank, the prompt lengths
+    remembered at prefill [B], found [B] bool or None)."""
+    v = f.view
+    plen, ptoks, found = f.prompt_rows
+    pl = v.prompt_lengths[:, None]
+    t = v.output.shape[1]
+    out = v.output if t else v.output.new_zeros(f.B, 1)
+    want = torch.where(rank < pl, ptoks.gather(1, rank.clamp(0, max(ptoks.shape[1] - 1, 0))),
+                       out.gather(1, (rank - pl).clamp(0, max(t - 1, 0))))
+    return want, plen, found
+
+
+def _sequence_slots(f: Facts):
+    if not _sequence_applies(f):
+        return None
+    v = f.view
+    want, _, found = _wanted(f, f.rank)
+    in_range = f.rank < v.prompt_lengths[:, None] + P.consumed(v)[:, None]
+    bad = f.valid & in_range & (v.tokens != want)
+    return bad if found is None else bad & found[:, None]
+
+
+def _lengths_rule(f: Facts):
+    used = P.consumed(f.view)
+    if used is None:
+        return None
+    return f.view.lengths != f.view.prompt_lengths + used
+
+
+def _sequence_rule(f: Facts):
+    s = _sequence_slots(f)
+    return None if s is None else s.any(dim=1)
+
+
+def _prompt_lengths_rule(f: Facts):
+    if not _sequence_applies(f):
+        return None
+    plen, _, found = f.prompt_rows
+    return _found(f.view.prompt_lengths != plen, found)
+
+
+_SEQUENCE = ("tokens", "valid", "output", "generated", "lengths", "prompt_lengths", "row_ids",
+             "prompts", "is_prefill")
+
+I6_SEQUENCE_RULES = (
+    _i6("I6.lengths", "n[b] = prompt + committed output (prompt_lengths + generated)",
+        ("lengths", "prompt_lengths", "generated", "generated_before"), _lengths_rule),
+    Rule("I6.sequence", "I6", "the row's real tokens, read left to right, are prompt ++ output",
+         _SEQUENCE, mask=_sequence_rule, slots=_sequence_slots, columns="slots",
+         slot_priority=1, lines=_TOKEN_LINES),
+    _i6("I6.prompt_lengths", "prompt_lengths never change", ("prompt_lengths", "prompts"),
+        _prompt_lengths_rule),
+)
+
+
+def _fused_sequence(f: Facts):
+    v = f.view
+    used = P.consumed(v)
+    if used is None:
+        return None
+    bad = v.lengths != v.prompt_lengths + used
+    if not _sequence_applies(f):
+        return bad
+    want, plen, found = _wanted(f, f.rank)
+    # rank < n[b] stands for rank < prompt + output: where the two differ, the first
+    # term flags the row anyway
+    seq = (f.valid & (f.rank < v.lengths[:, None]) & (v.tokens != want)).any(dim=1) \
+        | (v.prompt_lengths != plen)
+    return bad | _found(seq, found)
+
+
+# ---------------------------------------------------------------------------------------
+# I5, I7 (deep mode: computed by model forwards in the Monitor, host side)
+# ---------------------------------------------------------------------------------------
+
+R_KV = Rule("I5.kv", "I5",
+            "cached K/V at every valid slot equals a clean batch-1 prefill of the row's real "
+            "tokens (allclose atol={atol:g}, rtol={rtol:g})",
+            ("model", "cache_tensors", "tokens", "valid", "drafts", "draft_limit"),
+            columns="slots")
+R_REFERENCE = Rule("I7.reference", "I7",
+                   "output equals the batch-1 {what} reference: {detail} (tolerance {tol:g}: desync)",
+                   ("model", "output", "generated", "finished", "budgets", "row_ids"),
+                   columns="output", lines=_TOKEN_LINES)
+
+
+
+# ---------------------------------------------------------------------------------------
+# Fusions: the groups that run together at one phase, as one expression
+# ---------------------------------------------------------------------------------------
+# At commit the state, history and commit rules always run together, at a realign the
+# layout, position and sequence rules. A fusion computes, row by row, the OR of every rule
+# of its groups in one expression, using what one rule guarantees to simplify another
+# (positions = slot - padding in a contiguous row, g = generated_before + committed):
+# where that guarantee fails, the rule that states it flags the row anyway. It returns
+# None for a view outside what it was written for; the groups then run one by one.
+
+@dataclass(frozen=True)
+class Fusion:
+    # group names it stands for, in GROUPS order; it applies when all of them run
+    groups: tuple
+    # facts -> [B] bool (the OR of every rule of the groups), or None: run them one by one
+    fused: Callable
+
+
+#: a coefficient that switches a constraint off (any count in a view is far below it)
+BIG = 1 << 40
+
+#: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them
+COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "pg", "inactive", "lead", "a_k",
+                    "a_k1", "one", "unknown", "fin", "last", "atb", "at_limit", "slots")
+#: the commit's row rules as linear constraints: each {variable: coefficient} must be
+#: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row)
+COMMIT_CONSTRAINTS = (
+    {"g": 1},                                               # g >= 0
+    {"budgets": 1, "g": -1},                                # g <= budget
+    {"one": "T", "g": -1},                                  # g <= output width
+    {"fin": 1, "last": -1},                                 # ends on a stop -> finished
+    {"fin": 1, "atb": -1},                                  # at its budget -> finished
+    {"last": 1, "atb": 1, "fin": -1},                       # finished -> stop or budget
+    {"gb": 1, "pg": -1, "unknown": BIG},                    # generated_before = previous
+    {"pg": 1, "gb": -1, "unknown": BIG},                    #   generated (known rows)
+    {"g": 1, "gb": -1, "m": -1},                            # generated = before + committed
+    {"gb": 1, "m": 1, "g": -1},
+    {"m": 1, "one": -1, "inactive": BIG},                   # 1 <= committed (active rows)
+    {"one": "k1", "m": -1, "inactive": BIG},                # committed <= k + 1
+    {"a": 1, "one": 1, "m": -1, "inactive": BIG},           # committed <= accepted + 1
+    {"m": 1, "a": -1, "one": -1, "inactive": BIG, "last": BIG, "atb": BIG},  # = unless cut
+    {"a": 1},                                               # 0 <= accepted
+    {"lim": 1, "a": -1},                                    # accepted <= draft_limit
+    {"lead": 1, "a_k": -1},                                 # drafts before it all match
+    {"a_k1": 1, "lead": -1, "at_limit": BIG},               # the next one does not match
+    {"slots": -1},                                          # nothing wrong in the output
+)
+
+
+def _commit_coefficients(f: Facts, t: int, k: int, dtype) -> torch.Tensor:
+    """[variables, constraints] of COMMIT_CONSTRAINTS on the view's device, written by
+    fill kernels (no host->device copy) once per (T, k, device, dtype)."""
+    key = ("commit", t, k, f.device, dtype)
+    c = f.consts._cache.get(key)
+    if c is None:
+        index = {n: i for i, n in enumerate(COMMIT_VARIABLES)}
+        c = torch.zeros(len(COMMIT_VARIABLES), len(COMMIT_CONSTRAINTS), dtype=dtype,
+                        device=f.device)
+        for j, terms in enumerate(COMMIT_CONSTRAINTS):
+            for name, w in terms.items():
+                w = {"T": t, "k1": k + 1}.get(w, w)
+                c[index[name], j : j + 1].fill_(w)
+        f.consts._cache[key] = c
+    return c
+
+
+def _fused_commit_phase(f: Facts):
+    """I6 state + history + commit rules at a commit view: the output-wide rules as a few
+    [B, T] and [B, k] expressions, every row rule at once as integer linear constraints
+    (``COMMIT_CONSTRAINTS``: one stack, one product)."""
+    v = f.view
+    out, g, m, gb, a = v.output, v.generated, v.committed, v.generated_before, v.accepted
+    lim, preds, drafts, k = v.draft_limit, v.predictions, v.drafts, v.k
+    t = out.shape[1]
+    if gb is None or a is None or lim is None or preds is None or drafts is None or not k \
+            or f.prev is None or not t or preds.shape[1] != k + 1:
+        return None
+    rows, found = f._rows_of(f.prev)
+    pout = rows[:, 3:]
+    if pout.shape[1] != t:
+        return None
+    col = f.consts.row(t, f.device)
+    i = f.consts.row(k + 1, f.device)
+    so = P.stop_mask(out, f.stops)
+    gm1 = (g - 1)[:, None]
+    # output indices: unchanged below the previous generated (history), no stop token
+    # before the last output (state), the committed tokens are the predictions
+    stale = (out != pout) & (col < rows[:, 1:2])
+    if found is not None:
+        stale = stale & found[:, None]
+    wrote = out.gather(1, (gb[:, None] + i).clamp(0, t - 1))
+    slots = (stale | (so & (col < gm1))).any(dim=1) \
+        | ((wrote != preds) & (i < m[:, None])).any(dim=1)
+    last = (so & (col == gm1)).any(dim=1)  # exact when g <= T (else "g <= T" flags)
+    # the longest matching prefix of the drafts
+    lead = (drafts == preds[:, :k]).cumprod(dim=1).sum(dim=1)
+    inactive, unknown = rows[:, 2], f.consts.zeros(f.B, f.device)
+    if found is not None:
+        inactive, unknown = inactive * found, ~found
+    counts = torch.stack([g, gb, m, a, lim, v.budgets, rows[:, 1], inactive, lead,
+                          a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device)],
+                         dim=1)
+    flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, slots], dim=1)
+    # int64 products on the CPU; float64 elsewhere (exact for counts below 2^52)
+    exact = torch.long if f.device.type == "cpu" else torch.float64
+    x = torch.cat([counts, flags.to(counts.dtype)], dim=1)
+    if x.dtype != exact:
+        x = x.to(exact)
+    return ((x @ _commit_coefficients(f, t, k, exact)) < 0).any(dim=1)
+
+
+def _realign_ready(f: Facts) -> bool:
+    v = f.view
+    return v.phase != "prefill" and v.phase != "commit" and f.prompts is not None \
+        and v.output.shape[1] > 0 and v.width > 0 and f.prompts.table.shape[1] > 2
+
+
+def _fused_contiguous_realign(f: Facts):
+    """I2 (contiguous) + I3 positions + I6 sequence rules at a view with new slots."""
+    if not _realign_ready(f):
+        return None
+    v = f.view
+    n, pl, w = v.lengths, v.prompt_lengths, v.width
+    rel = f.consts.row(w, f.device) - (w - n)[:, None]  # the rank of a valid slot, if contiguous
+    want, plen, found = _wanted(f, rel)
+    tokens = v.tokens != want
+    if found is not None:
+        tokens = tokens & found[:, None]
+    bad = (f.valid != (rel >= 0)) | (f.valid & ((v.positions != rel) | tokens))
+    seq = pl != plen if found is None else (pl != plen) & found
+    return torch.stack([bad.any(dim=1), n < 1, (n.max() != w).expand(f.B),
+                        n != pl + v.generated, seq]).any(dim=0)
+
+
+def _fused_holes_realign(f: Facts):
+    """I2 (holes) + I3 positions + I6 sequence rules at a view with new slots."""
+    if not _realign_ready(f):
+        return None
+    v = f.view
+    n, pl = v.lengths, v.prompt_lengths
+    counted = f.counted
+    rank = f.rank
+    want, plen, found = _wanted(f, rank)
+    tokens = (v.tokens != want) & (rank < n[:, None])
+    if found is not None:
+        tokens = tokens & found[:, None]
+    bad = f.valid & ((v.positions != rank) | tokens)
+    seq = pl != plen if found is None else (pl != plen) & found
+    return torch.stack([bad.any(dim=1), n < 1, counted[:, -1] != n, ~(f.valid[:, -1] | f.finished),
+                        n != pl + v.generated, seq]).any(dim=0)
+
+
+FUSIONS = (
+    Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase),
+    Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign),
+    Fusion(("I2.holes", "I3.positions", "I6.sequence"), _fused_holes_realign),
+)
+
+# ---------------------------------------------------------------------------------------
+# The groups, in the order the Monitor checks them
+# ---------------------------------------------------------------------------------------
+
+GROUPS = (
+    Group("I1.shapes", "I1", I1_RULES, None, host_ok=_i1_ok),
+    Group("I2.contiguous", "I2", (R_N_RANGE, R_CONTIGUOUS, R_MINIMAL),
+          ("profile", "valid", "lengths"), lambda v: v.profile == "contiguous", _fused_contiguous),
+    Group("I2.holes", "I2", (R_N_RANGE, R_HOLES_COUNT, R_HOLES_PENDING),
+          ("profile", "valid", "lengths", "finished"), lambda v: v.profile == "holes", _fused_holes),
+    Group("I2.grouped", "I2", (R_N_RANGE, R_GROUPED), ("profile", "valid", "lengths"),
+          lambda v: v.profile == "grouped", _fused_grouped),
+    Group("I3.positions", "I3", (R_POSITIONS,), ("valid", "positions"), fused=_fused_positions),
+    Group("I3.forward", "I3", (R_FORWARD_POSITIONS,), ("forward", "draft_limit", "phase"),
+          lambda v: v.forward is not None, _fused_forward_positions),
+    Group("I4.mask", "I4", I4_RULES, ("forward", "tokens", "valid", "drafts", "phase"),
+          lambda v: v.forward is not None, _fused_mask),
+    Group("I6.state", "I6", I6_STATE_RULES, _STATE, fused=_fused_state),
+    Group("I6.history", "I6", I6_HISTORY_RULES, _HISTORY, fused=_fused_history),
+    Group("I6.commit", "I6", I6_COMMIT_RULES, None,
+          lambda v: v.phase == "commit" and v.committed is not None, _fused_commit),
+    # at commit the tokens are still those of before it (checked then); what the commit
+    # appends is checked by the commit rules, the tokens at realign
+    Group("I6.sequence", "I6", I6_SEQUENCE_RULES, _SEQUENCE, lambda v: v.phase != "commit",
+          _fused_sequence),
+)
+
+# ---------------------------------------------------------------------------------------
+# guard_model: the rules of one forward (I1 cache, I3 positions, I4 mask)
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class ForwardFacts:
+    """One guarded forward as the guard sees it before it runs."""
+
+    # rows and new tokens of the inputs
+    b: int
+    q: int
+    # cache length of every layer before the forward (host ints), C = the first
+    lengths: list
+    # batch size of every initialised cache layer (host ints)
+    sizes: list
+    # [B or 1, q] or [q] long: an explicit cache_position, or None
+    cache_position: torch.Tensor | None
+    # the attention mask as given (any shape, or not a tensor), or None
+    mask: object
+    # [B, C + q] the 2-D mask when its shape fits, else None
+    mask2d: torch.Tensor | None
+    # [B or 1, q] long: the positions the model uses (explicit, or its own default), or
+    # None when they are not interpreted (3-D rope, odd shapes)
+    positions: torch.Tensor | None
+    implicit: bool
+    device: torch.device
+
+    @property
+    def c(self) -> int:
+        return self.lengths[0] if self.lengths else 0
+
+    def words(self) -> dict:
+        m = self.mask if isinstance(self.mask, torch.Tensor) and self.mask.dim() else None
+        return {"lengths": self.lengths, "b": self.b, "sizes": sorted(set(self.sizes)),
+                "c": self.c, "q": self.q, "cq": self.c + self.q,
+                "mw": None if m is None else m.shape[-1], "mb": None if m is None else m.shape[0]}
+
+    def arange(self, device) -> torch.Tensor:  # [q] long: C .. C + q - 1
+        return torch.arange(self.q, device=device) + self.c
+
+
+def _cache_position_mask(ff: ForwardFacts):
+    cp = ff.cache_position
+    if cp is None or cp.shape[-1] != ff.q:
+        return None
+    return (cp.reshape(-1, ff.q) != ff.arange(cp.device)).any(dim=1).expand(ff.b)
+
+
+def _guard_position_slots(ff: ForwardFacts):
+    """[B, C + q] bool over the mask's columns: new tokens at a wrong position."""
+    if ff.mask2d is None or ff.positions is None:
+        return None
+    bad = P.forward_position_slots(ff.mask2d, ff.positions, ff.c)
+    return torch.cat([torch.zeros(bad.shape[0], ff.c, dtype=torch.bool, device=bad.device), bad],
+                     dim=1)
+
+
+def _guard_positions(implicit: bool):
+    def mask(ff: ForwardFacts):
+        if ff.mask2d is None or ff.positions is None or ff.implicit != implicit:
+            return None
+        return P.forward_position_slots(ff.mask2d, ff.positions, ff.c).any(dim=1)
+    return mask
+
+
+def _guard_positions_no_mask(ff: ForwardFacts):
+    if ff.positions is None or ff.mask is not None or ff.implicit:
+        return None
+    return (ff.positions != ff.arange(ff.positions.device)).any(dim=1).expand(ff.b)
+
+
+_GUARD_LINES = ("mask", "pos", "want")
+
+GUARD_RULES = (
+    Rule("guard.cache_lengths", "I1", "every cache layer has the same length (layer lengths {lengths})",
+         ("cache",), host=lambda ff: len(set(ff.lengths)) > 1,
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
+    Rule("guard.cache_batch", "I1",
+         "every cache layer has the batch size of the inputs ({b}; layers have {sizes})",
+         ("cache", "input_ids"), host=lambda ff: any(s != ff.b for s in ff.sizes),
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
+    Rule("guard.cache_position", "I1", "cache_position = cache length + arange(new tokens)",
+         ("cache_position", "cache"),
+         host=lambda ff: ff.cache_position is not None and ff.cache_position.shape[-1] != ff.q,
+         mask=_cache_position_mask, slots=_guard_position_slots, columns="forward",
+         lines=_GUARD_LINES),
+    Rule("guard.mask_width", "I4",
+         "the 2-D attention mask has width cache length + new tokens: got {mw}, cache length "
+         "{c} + {q} new tokens = {cq}", ("attention_mask", "cache"),
+         host=lambda ff: isinstance(ff.mask, torch.Tensor) and ff.mask.dim() == 2
+         and ff.mask.shape[1] != ff.c + ff.q,
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
+    Rule("guard.mask_batch", "I4", "the attention mask has one row per input row: {mb} rows for {b}",
+         ("attention_mask", "input_ids"),
+         host=lambda ff: isinstance(ff.mask, torch.Tensor) and ff.mask.dim() == 2
+         and ff.mask.shape[1] == ff.c + ff.q and ff.mask.shape[0] != ff.b,
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
+    Rule("guard.positions_explicit", "I3",
+         "the position_ids of every valid new token = number of valid mask slots before it",
+         ("position_ids", "attention_mask", "cache"), mask=_guard_positions(False),
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
+    Rule("guard.positions_implicit", "I3",
+         "positions left implicit: the model uses cache length + arange(new tokens), which "
+         "must equal the number of valid mask slots before each new token (it does not with "
+         "padding or holes: pass position_ids)", ("attention_mask", "cache"),
+         mask=_guard_positions(True), slots=_guard_position_slots, columns="forward",
+         lines=_GUARD_LINES),
+    Rule("guard.positions_no_mask", "I3",
+         "without an attention mask every slot is valid, so position_ids must be cache "
+         "length + arange(new tokens)", ("position_ids", "cache"),
+         mask=_guard_positions_no_mask, slots=_guard_position_slots, columns="forward",
+         lines=_GUARD_LINES),
+)
+
+GROUPS_BY_NAME = {g.name: g for g in GROUPS}
+#: groups that need monitor state: they run only when it exists
+NEEDS = {"I6.history": "prev"}
+
+#: every rule record: the Monitor's groups, the deep rules, then guard_model's
+RULES = tuple(dict.fromkeys([r for g in GROUPS for r in g.rules] + [R_KV, R_REFERENCE]
+                            + list(GUARD_RULES)))
+RULES_BY_ID = {r.id: r for r in RULES}
+INVARIANT_RULES = {inv: tuple(r for r in RULES if r.invariant == inv and r not in GUARD_RULES)
+                   for inv in ("I1", "I2", "I3", "I4", "I5", "I6", "I7")}
+
+
+def group_applies(group: Group, facts: Facts) -> bool:
+    need = NEEDS.get(group.name)
+    return group.applies(facts.view) and (need is None or facts.dep(need) is not None)
+
+
+def rule_masks(group: Group, facts: Facts) -> list:
+    """[(rule, [B] bool mask)] of the group's rules that apply, in order (host rules:
+    only when broken, as a whole-batch mask)."""
+    out = []
+    v = facts.view
+    for r in group.rules:
+        if not r.applies(v):
+            continue
+        if r.host is not None:
+            if r.host(v):
+                out.append((r, torch.ones(facts.B, dtype=torch.bool, device=facts.device)))
+            continue
+        m = r.mask(facts)
+        if m is not None:
+            out.append((r, m))
+    return out
+
+
+def evaluate(view: StepView, invariants=("I1", "I2", "I3", "I4", "I6"), *, groups=None,
+             stops=None, prev=None, prompts=None) -> dict:
+    """{sentence: [B] bool mask} of every rule of ``invariants`` (or of the named
+    ``groups``) that applies to ``view``, definitional (rule by rule)."""
+    facts = Facts(view, stops=stops, prev=prev, prompts=prompts)
+    out = {}
+    for g in GROUPS:
+        if g.invariant not in invariants or (groups is not None and g.name not in groups):
+            continue
+        if not group_applies(g, facts):
+            continue
+        for r, m in rule_masks(g, facts):
+            out[r.text(view)] = m
+    return out
+
+
+def slot_rule(rules) -> Rule | None:
+    """The rule whose slots a violation shows: the highest ``slot_priority`` among the
+    failing rules that have slots, the first in order on a tie."""
+    best = None
+    for r in rules:
+        if r.slots is not None and (best is None or r.slot_priority > best.slot_priority):
+            best = r
+    return best
+
+
+__all__ = ["COLUMNS", "Rule", "Group", "Fusion", "FUSIONS", "Facts", "Constants", "GROUPS", "GROUPS_BY_NAME",
+           "RULES", "RULES_BY_ID", "INVARIANT_RULES", "R_KV", "R_REFERENCE", "GUARD_RULES",
+           "ForwardFacts", "evaluate",
+           "rule_masks", "slot_rule", "group_applies", "words"]
+
+
+# ---------------------------------------------------------------------------------------
+# Per-invariant API over the rule records
+# ---------------------------------------------------------------------------------------
+
+def _rules_of(view: StepView, invariant: str, **state) -> dict[str, torch.Tensor]:
+    return evaluate(view, (invariant,), **state)
+
+
+def i1_failures(view: StepView) -> list[str]:
+    """The I1 rules the view breaks: shapes and cache widths are host facts, so this reads
+    nothing from the device and launches nothing."""
+    return [r.text(view) for r in INVARIANT_RULES["I1"] if r.applies(view) and r.host(view)]
+
+
+def i1_rules(view: StepView) -> dict[str, torch.Tensor]:
+    """The broken I1 rules as whole-batch masks (only broken rules are listed)."""
+    return _rules_of(view, "I1")
+
+
+def i1_alignment(view: StepView) -> torch.Tensor:
+    return P.or_rows(i1_rules(view), view)
+
+
+def i2_rules(view: StepView) -> dict[str, torch.Tensor]:
+    if view.profile not in P.PROFILES:
+        raise ValueError(f"unknown layout profile {view.profile!r}; expected one of {P.PROFILES}")
+    return _rules_of(view, "I2")
+
+
+def i2_layout(view: StepView) -> torch.Tensor:
+    return P.or_rows(i2_rules(view), view)
+
+
+def i3_view_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return evaluate(view, ("I3",), groups=("I3.positions",))
+
+
+def i3_forward_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return evaluate(view, ("I3",), groups=("I3.forward",))
+
+
+def i3_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return _rules_of(view, "I3")
+
+
+def i3_positions(view: StepView) -> torch.Tensor:
+    return P.or_rows(i3_rules(view), view)
+
+
+def i4_rules(view: StepView) -> dict[str, torch.Tensor]:
+    return _rules_of(view, "I4")
+
+
+def i4_mask(view: StepView) -> torch.Tensor:
+    return P.or_rows(i4_rules(view), view)
+
+
+def _i6(view: StepView, group: str, stops=None, prev=None, prompts=None):
+    return evaluate(view, ("I6",), groups=(group,), stops=stops, prev=prev, prompts=prompts)
+
+
+def i6_state_rules(view: StepView, stops=None) -> dict[str, torch.Tensor]:
+    """Budgets, stop tokens and finishing: a function of output, generated, finished."""
+    return _i6(view, "I6.state", stops=stops)
+
+
+def i6_history_rules(view: StepView, prev: P.Snapshot | None) -> dict[str, torch.Tensor]:
+    """Against the last snapshot: no retroactive change, growth only at commit."""
+    return _i6(view, "I6.history", prev=prev)
+
+
+def i6_commit_rules(view: StepView, stops=None, prev: P.Snapshot | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The commit of this step: greedy acceptance and what it appends (commit only)."""
+    return _i6(view, "I6.commit", stops=stops, prev=prev)
+
+
+def i6_sequence_rules(view: StepView, prompts: P.Prompts | None) -> dict[str, torch.Tensor]:
+    """The row's real tokens are prompt ++ output, and n[b] counts exactly those."""
+    return _i6(view, "I6.sequence", prompts=prompts)
+
+
+def i6_rules(view: StepView, *, stops=None, prev: P.Snapshot | None = None,
+             prompts: P.Prompts | None = None) -> dict[str, torch.Tensor]:
+    return _rules_of(view, "I6", stops=stops, prev=prev, prompts=prompts)
+
+
+def i6_conservation(view: StepView, **state) -> torch.Tensor:
+    return P.or_rows(i6_rules(view, **state), view)
