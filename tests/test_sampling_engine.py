@@ -30,7 +30,7 @@ from conftest import tiny_pair
 from harness import corrupted, random_prompts
 from hyp_inputs import samplings
 
-FAMILIES = ("llama", "gpt2", "mistral")
+FAMILIES = ("llama", "gpt2", "mistral", "gemma3")
 
 
 @st.composite
