@@ -291,8 +291,9 @@ def draft_distribution(drafts: torch.Tensor, draft_logits: torch.Tensor | None, 
     """q [B, k, V] fp64 of the drafts: the draft model's distribution at each draft, or
     the point mass on the draft for a drafter without one (``draft_logits`` None)."""
     k = drafts.shape[1]
-    if draft_logits is None:
-        return torch.nn.functional.one_hot(drafts, vocab).double()
+    if draft_logits is None:  # a comparison, not one_hot: its range check reads the host
+        ids = torch.arange(vocab, device=drafts.device)
+        return (drafts[..., None] == ids).double()
     return distribution(draft_logits[:, :k], s)
 
 

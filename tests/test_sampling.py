@@ -99,7 +99,8 @@ RNG_WORDS = ("rand", "random", "uniform", "normal", "bernoulli", "multinomial", 
 
 @pytest.mark.parametrize("mode", S.MODES)
 def test_choices_use_no_device_rng_no_upload_and_no_host_read(mode):
-    """Noise comes from integer hashing only; nothing is uploaded or read back."""
+    """Noise comes from integer hashing only; nothing is uploaded or read back, with a
+    draft model's logits or with a point-mass drafter's (None)."""
     s = Sampling(temperature=0.7, top_k=5, top_p=0.9, seed=3, mode=mode)
     logits, drafts = torch.randn(4, 3, 32), torch.randint(0, 32, (4, 2))
     rows, t = torch.arange(4), torch.arange(3)[None, :] + torch.tensor([[0], [4], [1], [9]])
@@ -107,6 +108,7 @@ def test_choices_use_no_device_rng_no_upload_and_no_host_read(mode):
     log = OpLog()
     with no_host_transfers(), log:
         S.choose(logits, s, rows, t, drafts, draft_logits)
+        S.choose(logits, s, rows, t, drafts, None)
         S.draft_choice(logits[:, 0], s, rows, t[:, 0])
     assert log.ops and not [o for o in log.ops if any(w in o for w in RNG_WORDS)], log.ops
 
