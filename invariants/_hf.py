@@ -6,7 +6,9 @@ Tested against transformers 5.24 and 4.51 (CI runs the checker's tests on both):
   deprecated name, still accepted); a ``Cache`` holds ``layers`` with ``keys``/``values``;
 - 4.51: the keyword is ``past_key_values=``; ``DynamicCache`` keeps ``key_cache`` and
   ``value_cache`` lists, read here through the same ``keys``/``values``/``get_seq_length``
-  interface (``_ListLayer``).
+  interface (``_ListLayer``), and so are legacy caches (a tuple of ``(key, value)`` per
+  layer, which 4.x models such as GPT-2 still accept and return). A 4.x ``StaticCache``
+  is not interpreted (its lists are preallocated: their width is not the length).
 
 ``DynamicCache()`` built without a config holds every token of every layer (no
 sliding-window eviction), which is what a clean reference prefill needs.
@@ -42,13 +44,23 @@ def cache_layers(cache) -> list:
     """The self-attention layers of a transformers ``Cache`` (empty when unknown)."""
     if cache is None:
         return []
+    if is_legacy_cache(cache):  # a tuple of (key, value) per layer (transformers 4.x)
+        return [_ListLayer(kv[0], kv[1]) for kv in cache]
     inner = getattr(cache, "self_attention_cache", None)  # EncoderDecoderCache
     if inner is not None:
         cache = inner
     layers = getattr(cache, "layers", None)
-    if layers is None and isinstance(getattr(cache, "key_cache", None), list):  # 4.x
+    if layers is None and isinstance(getattr(cache, "key_cache", None), list) \
+            and not hasattr(cache, "max_cache_len"):  # 4.x dynamic (a static one is not read)
         return [_ListLayer(k, v) for k, v in zip(cache.key_cache, cache.value_cache)]
     return list(layers or [])
+
+
+def is_legacy_cache(cache) -> bool:
+    """A legacy cache: a tuple (or list) of per-layer (key, value) tensor pairs."""
+    return isinstance(cache, (tuple, list)) and len(cache) > 0 and all(
+        isinstance(kv, (tuple, list)) and len(kv) >= 2 and isinstance(kv[0], torch.Tensor)
+        for kv in cache)
 
 
 def cache_lengths(cache) -> list[int]:
@@ -72,6 +84,26 @@ def cache_batch_sizes(cache) -> list[int]:
         if isinstance(keys, torch.Tensor) and keys.dim() >= 1 and keys.numel() > 0:
             out.append(int(keys.shape[0]))
     return out
+
+
+#: config attributes that mean rotary position embeddings (4.x and 5.x names)
+_ROPE_ATTRS = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct",
+               "partial_rotary_factor", "rotary_emb_base")
+
+
+def relative_positions(model) -> bool:
+    """Whether the model's attention sees only relative positions (RoPE or ALiBi), decided
+    from its config: a constant per-row offset of every position changes nothing there.
+    Absolute position embeddings (GPT-2's ``wpe``) and unknown configs count as absolute."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", None) == "bloom":
+        return True
+    if getattr(cfg, "position_embedding_type", None) not in (None, "rotary", "rope"):
+        return False
+    return any(getattr(cfg, a, None) is not None for a in _ROPE_ATTRS)
 
 
 def model_device(model) -> torch.device:

@@ -90,44 +90,71 @@ _STATE_NAMES = ("prev", "prompts", "stops", "is_commit", "is_prefill")
 _SIMPLE = (str, int, bool, tuple, type(None))
 
 
-def _reader(names: tuple):
-    """A function (view, facts) -> the values ``names`` stand for (see ``Facts.dep``),
-    view fields read by one ``attrgetter``."""
-    fields = [n for n in names if n not in _STATE_NAMES]
-    state = [n for n in names if n in _STATE_NAMES]
-    get = operator.attrgetter(*fields) if fields else (lambda v: ())
-    if len(fields) == 1:
-        one = get
-        get = lambda v: (one(v),)  # noqa: E731
-    if not state:
-        return lambda view, facts: get(view)
-    return lambda view, facts: get(view) + tuple(facts.dep(n) for n in state)
-
-
-def _versions(values):
-    """Each tensor's version counter (None for other values); None when a tensor keeps
-    none (inference tensors: always re-checked)."""
+def _signature(values) -> tuple:
+    """What the skip test compares between phases, one entry per value: a tensor's
+    identity and version counter, a plain value itself, another object's identity. A
+    tensor without a version counter (inference mode) gets a new object, equal to
+    nothing: its group always runs. (Whoever keeps a signature keeps the values too, so
+    no identity is reused while it is remembered.)"""
     out = []
     for x in values:
         if isinstance(x, torch.Tensor):
             try:
-                out.append(x._version)
+                out.append((id(x), x._version))
             except RuntimeError:
-                return None
+                out.append(object())
+        elif type(x) in _SIMPLE:
+            out.append(x)
         else:
-            out.append(None)
+            out.append(id(x))
     return tuple(out)
 
 
-def _same(old, values, versions) -> bool:
-    """``values``/``versions`` are those remembered in ``old``: the same objects (or
-    equal plain values), unmodified."""
-    if old is None or versions is None or old[1] is None or old[1] != versions:
-        return False
-    for a, b in zip(old[0], values):
-        if a is not b and not (type(a) in _SIMPLE and type(a) is type(b) and a == b):
-            return False
-    return True
+class _Plan:
+    """The groups that apply to views of one kind (phase, profile, which optional fields
+    are present, which monitor state exists), each with how to pick what it compares out
+    of the view's one signature; and, per set of groups that run, the fusions to use."""
+
+    __slots__ = ("steps", "fields", "state", "get", "fusions", "_all_fusions")
+
+    def __init__(self, groups, skip: bool, fusions):
+        names = [] if not skip else list(dict.fromkeys(
+            n for g in groups if g.reads is not None for n in g.reads))
+        self.fields = tuple(n for n in names if n not in _STATE_NAMES)
+        self.state = tuple(n for n in names if n in _STATE_NAMES)
+        order = self.fields + self.state
+        self.get = operator.attrgetter(*self.fields) if len(self.fields) > 1 else (
+            (lambda v, one=operator.attrgetter(self.fields[0]): (one(v),)) if self.fields
+            else (lambda v: ()))
+        # (group, picks its values out of the view's, host rules)
+        self.steps = tuple(
+            (g, None if not skip or g.reads is None
+             else _picker(tuple(order.index(n) for n in g.reads)), g.host_rules)
+            for g in groups)
+        self.fusions = {}  # names of the groups that run -> the fusions covering them
+        self._all_fusions = fusions
+
+    def values(self, view, facts) -> tuple:
+        vals = self.get(view)
+        if self.state:
+            vals = vals + tuple(facts.dep(n) for n in self.state)
+        return vals
+
+    def fusions_for(self, names: tuple) -> tuple:
+        f = self.fusions.get(names)
+        if f is None:
+            have = set(names)
+            f = self.fusions[names] = tuple(
+                x for x in self._all_fusions if all(n in have for n in x.groups))
+        return f
+
+
+def _picker(index: tuple):
+    """A function tuple -> the entries at ``index``, as a tuple."""
+    if len(index) == 1:
+        i = index[0]
+        return lambda t: (t[i],)
+    return operator.itemgetter(*index)
 
 
 class Monitor(Checker):
@@ -224,66 +251,67 @@ class Monitor(Checker):
             self._deep(view)
         self._advance(view)
 
-    def _stops_of(self, view: StepView):
-        key = (view.stop_token_ids, view.device)
+    def _stops_of(self, view: StepView, device):
+        key = (view.stop_token_ids, device)
         s = self._stops.get(key)
         if s is None:  # host ids, or a device tensor built by fill kernels, once per run
             s = self._stops[key] = P.stop_ids(view)
         return s
 
-    def _plan(self, view: StepView, shapes_ok: bool) -> tuple:
-        """The groups to run for views like ``view``: (group, reader, host rules)."""
+    def _plan(self, view: StepView, shapes_ok: bool) -> _Plan:
+        """The groups to run for views like ``view`` (see ``_Plan``)."""
         key = (view.phase, view.profile, view.forward is None, view.committed is None,
                shapes_ok, self._prev is None, self._prompts is None)
         plan = self._plans.get(key)
         if plan is None:
             facts = R.Facts(view, stops=(), prev=self._prev, prompts=self._prompts,
                             consts=self._consts)
-            plan = self._plans[key] = tuple(
-                (g, None if g.reads is None or not self.skip_unchanged else _reader(g.reads),
-                 g.host_rules)
-                for g in self._groups
-                # later groups index [B, W] tensors together: only when their shapes agree
-                if (shapes_ok or g.invariant == "I1") and R.group_applies(g, facts))
+            # later groups index [B, W] tensors together: only when their shapes agree
+            groups = [g for g in self._groups
+                      if (shapes_ok or g.invariant == "I1") and R.group_applies(g, facts)]
+            plan = self._plans[key] = _Plan(groups, self.skip_unchanged, self._fusions)
         return plan
 
     def _cheap(self, view: StepView) -> Entry | None:
         """Run the cheap groups that apply to ``view`` and whose inputs changed (fused
         where a ``rules.FUSIONS`` entry covers several): an Entry with their ``[B]`` masks
         (device), or None when nothing ran."""
-        facts = R.Facts(view, stops=self._stops_of(view), prev=self._prev,
-                        prompts=self._prompts, consts=self._consts, lookups=self._lookups)
+        device = view.tokens.device
+        facts = R.Facts(view, stops=self._stops_of(view, device), prev=self._prev,
+                        prompts=self._prompts, consts=self._consts, lookups=self._lookups,
+                        device=device)
         shapes_ok = view.valid.shape == view.tokens.shape == view.positions.shape
+        plan = self._plan(view, shapes_ok)
         memo = self._memo
         to_run = []
-        for g, reader, host_rules in self._plan(view, shapes_ok):
-            if reader is not None:  # skip a group whose inputs are those it checked
-                values = reader(view, facts)
-                versions = _versions(values)
-                same = _same(memo.get(g.name), values, versions)
-                memo[g.name] = (values, versions)
-                if same:
+        if plan.fields or plan.state:
+            values = plan.values(view, facts)
+            sig = _signature(values)
+        for g, pick, host_rules in plan.steps:
+            if pick is not None:  # skip a group whose inputs are those it checked
+                now = pick(sig)
+                old = memo.get(g.name)
+                memo[g.name] = (pick(values), now)
+                if old is not None and old[1] == now:
                     continue
             to_run.append((g, host_rules))
         if not to_run:
             return None
         b = view.batch_size
         masks, shared = [], {}
-        if len(to_run) > 2:
-            names = {g.name for g, _ in to_run}
-            for fusion in self._fusions:
-                if all(n in names for n in fusion.groups):
-                    try:
-                        m = fusion.fused(facts)
-                    except (RuntimeError, IndexError, ValueError, AttributeError):
-                        m = None  # a malformed view: the groups one by one say why
-                    if m is not None and m.dim() == 1 and m.shape[0] == b:
-                        for n in fusion.groups:
-                            shared[n] = len(masks)
-                        masks.append(m)
+        for fusion in plan.fusions_for(tuple(g.name for g, _ in to_run)):
+            try:
+                m = fusion.fused(facts)
+            except (RuntimeError, IndexError, ValueError, AttributeError):
+                m = None  # a malformed view: the groups one by one say why
+            if m is not None and m.dim() == 1 and m.shape[0] == b:
+                for n in fusion.groups:
+                    shared[n] = len(masks)
+                masks.append(m)
         checked, host_failure = [], False
+        runs = self.group_runs
         for g, host_rules in to_run:
-            self.group_runs[g.name] += 1
+            runs[g.name] += 1
             index = shared.get(g.name)
             if index is not None:
                 checked.append((g, (), None, index))
@@ -321,7 +349,7 @@ class Monitor(Checker):
                 # a later view holding these very tensors has nothing new for the history
                 # rules (its output and generated are what the snapshot just copied)
                 seen = (view.output, view.generated, None, view.row_ids, self._prev, False)
-                self._memo["I6.history"] = (seen, _versions(seen))
+                self._memo["I6.history"] = (seen, _signature(seen))
         except (RuntimeError, IndexError, ValueError):  # a malformed view (I1 reports it)
             pass
         if view.phase == "commit" and view.accepted is not None:

@@ -29,7 +29,6 @@ data-dependent shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Callable
 
 import torch
@@ -116,6 +115,24 @@ def words(view: StepView) -> dict:
 # Facts: one view, the monitor's state, shared intermediates
 # ---------------------------------------------------------------------------------------
 
+class cached_property:  # noqa: N801 - the functools name, without its lock
+    """A computed attribute stored on the instance at its first read (functools'
+    ``cached_property`` takes a lock on every first read in Python 3.11: a cost per hook)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
+
+
 class Constants:
     """Device constants reused across views (``arange`` rows, ``ones``): built once per
     size and device by fill kernels, never uploaded."""
@@ -161,7 +178,7 @@ class Facts:
 
     def __init__(self, view: StepView, *, stops=None, prev: P.Snapshot | None = None,
                  prompts: P.Prompts | None = None, consts: Constants | None = None,
-                 lookups: dict | None = None):
+                 lookups: dict | None = None, device: torch.device | None = None):
         self.view = view
         self.stops = P.stop_ids(view, stops)
         self.prev = prev
@@ -169,7 +186,7 @@ class Facts:
         self.consts = consts if consts is not None else Constants()
         self._lookups = lookups if lookups is not None else {}
         self.B = view.batch_size
-        self.device = view.device
+        self.device = view.device if device is None else device  # the view's
 
     def dep(self, name: str):
         """What ``reads`` names: a view field, or monitor state."""
@@ -337,6 +354,14 @@ I1_RULES = (
 
 
 
+def _all(seq, x) -> bool:
+    """Every entry of ``seq`` equals ``x`` (a C-level count for tuples and lists)."""
+    try:
+        return seq.count(x) == len(seq)
+    except (AttributeError, TypeError):
+        return all(c == x for c in seq)
+
+
 def _i1_ok(v: StepView) -> bool:
     """No I1 rule is broken (one pass over the host facts; the rules say which is)."""
     shape = v.tokens.shape
@@ -351,14 +376,15 @@ def _i1_ok(v: StepView) -> bool:
         return False
     want = v.expected_cache_width()
     widths = v.cache_widths
-    if not widths or any(c != want for c in widths):
+    if not widths or not _all(widths, want):
         return False
-    if any(s != b and not (s <= 0 and c == 0) for s, c in zip(v.cache_batch_sizes, widths)):
+    sizes = v.cache_batch_sizes
+    if not _all(sizes, b) and any(
+            s != b and not (s <= 0 and c == 0) for s, c in zip(sizes, widths)):
         return False
-    if v.draft_cache_widths:
-        dw = w - 1 + v.draft_cache_lag
-        if any(c != dw for c in v.draft_cache_widths):
-            return False
+    dws = v.draft_cache_widths
+    if dws and not _all(dws, w - 1 + v.draft_cache_lag):
+        return False
     if v.drafts is not None and v.drafts.shape != (b, v.k):
         return False
     if v.predictions is not None and v.predictions.shape != (b, v.k + 1):
@@ -840,9 +866,10 @@ R_REFERENCE = Rule("I7.reference", "I7",
 # Fusions: the groups that run together at one phase, as one expression
 # ---------------------------------------------------------------------------------------
 # At commit the state, history and commit rules always run together, at a realign the
-# layout, position and sequence rules. A fusion computes, row by row, the OR of every rule
-# of its groups in one expression, using what one rule guarantees to simplify another
-# (positions = slot - padding in a contiguous row, g = generated_before + committed):
+# layout, position and sequence rules, at a verify the forward's position and mask rules.
+# A fusion computes, row by row, the OR of every rule of its groups in one expression,
+# using what one rule guarantees to simplify another (positions = slot - padding in a
+# contiguous row, g = generated_before + committed, mask = the validity it stands for):
 # where that guarantee fails, the rule that states it flags the row anyway. It returns
 # None for a view outside what it was written for; the groups then run one by one.
 
@@ -859,7 +886,8 @@ BIG = 1 << 40
 
 #: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them
 COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "pg", "inactive", "lead", "a_k",
-                    "a_k1", "one", "unknown", "fin", "last", "atb", "at_limit", "slots")
+                    "a_k1", "one", "first_stop", "unknown", "fin", "last", "atb", "at_limit",
+                    "stale", "wrote")
 #: the commit's row rules as linear constraints: each {variable: coefficient} must be
 #: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row)
 COMMIT_CONSTRAINTS = (
@@ -881,7 +909,9 @@ COMMIT_CONSTRAINTS = (
     {"lim": 1, "a": -1},                                    # accepted <= draft_limit
     {"lead": 1, "a_k": -1},                                 # drafts before it all match
     {"a_k1": 1, "lead": -1, "at_limit": BIG},               # the next one does not match
-    {"slots": -1},                                          # nothing wrong in the output
+    {"first_stop": 1, "g": -1, "one": 1},                   # no stop before the last output
+    {"stale": -1},                                          # the old output is unchanged
+    {"wrote": -1},                                          # the committed tokens are y_i
 )
 
 
@@ -919,26 +949,28 @@ def _fused_commit_phase(f: Facts):
         return None
     col = f.consts.row(t, f.device)
     i = f.consts.row(k + 1, f.device)
-    so = P.stop_mask(out, f.stops)
-    gm1 = (g - 1)[:, None]
-    # output indices: unchanged below the previous generated (history), no stop token
-    # before the last output (state), the committed tokens are the predictions
+    # the index of each row's first stop token (T when none): a stop before the last
+    # output is first_stop < g - 1; the last output is one when first_stop = g - 1 (exact
+    # when g <= T and no stop comes before it, which other constraints check)
+    first_stop = (P.stop_mask(out, f.stops).cumsum(dim=1) == 0).sum(dim=1)
+    last = first_stop + 1 == g
+    # output indices: unchanged below the previous generated (history), the committed
+    # tokens are the predictions
     stale = (out != pout) & (col < rows[:, 1:2])
     if found is not None:
         stale = stale & found[:, None]
     wrote = out.gather(1, (gb[:, None] + i).clamp(0, t - 1))
-    slots = (stale | (so & (col < gm1))).any(dim=1) \
-        | ((wrote != preds) & (i < m[:, None])).any(dim=1)
-    last = (so & (col == gm1)).any(dim=1)  # exact when g <= T (else "g <= T" flags)
+    wrote = ((wrote != preds) & (i < m[:, None])).any(dim=1)
     # the longest matching prefix of the drafts
     lead = (drafts == preds[:, :k]).cumprod(dim=1).sum(dim=1)
     inactive, unknown = rows[:, 2], f.consts.zeros(f.B, f.device)
     if found is not None:
         inactive, unknown = inactive * found, ~found
     counts = torch.stack([g, gb, m, a, lim, v.budgets, rows[:, 1], inactive, lead,
-                          a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device)],
-                         dim=1)
-    flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, slots], dim=1)
+                          a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device),
+                          first_stop], dim=1)
+    flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, stale.any(dim=1),
+                         wrote], dim=1)
     # int64 products on the CPU; float64 elsewhere (exact for counts below 2^52)
     exact = torch.long if f.device.type == "cpu" else torch.float64
     x = torch.cat([counts, flags.to(counts.dtype)], dim=1)
@@ -988,7 +1020,27 @@ def _fused_holes_realign(f: Facts):
                         n != pl + v.generated, seq]).any(dim=0)
 
 
+def _fused_forward_phase(f: Facts):
+    """I3 forward positions + I4 mask at a view with a recorded forward. Where the mask
+    equals the validity it stands for (else I4 flags the row), its new columns are the
+    extended valid's and its running count is the valid's: the position rule reads those."""
+    v, fw = f.view, f.view.forward
+    c, q = fw.cache_width, fw.input_ids.shape[-1]
+    span = c + q
+    tokens, valid = f.extended
+    m = fw.attention_mask
+    if m.dim() != 2 or m.shape[1] != span or span > valid.shape[1] or m.shape[0] != f.B \
+            or fw.input_ids.shape != tokens[:, c:span].shape:
+        return None
+    new = (fw.positions + 1 != valid.cumsum(dim=1)[:, c:span])
+    if v.phase in ("verify", "commit") and v.draft_limit is not None:
+        new = new & (f.consts.row(q, f.device) <= v.draft_limit[:, None])
+    new = (new | (fw.input_ids != tokens[:, c:span])) & valid[:, c:span]
+    return (f.fmask != valid[:, :span]).any(dim=1) | new.any(dim=1)
+
+
 FUSIONS = (
+    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign),
     Fusion(("I2.holes", "I3.positions", "I6.sequence"), _fused_holes_realign),
@@ -1047,6 +1099,9 @@ class ForwardFacts:
     positions: torch.Tensor | None
     implicit: bool
     device: torch.device
+    # the model's positions are relative (RoPE, ALiBi) and the guard was not asked for
+    # exact positions: implicit positions then only need a constant offset per row
+    relative: bool = False
 
     @property
     def c(self) -> int:
@@ -1080,10 +1135,31 @@ def _guard_position_slots(ff: ForwardFacts):
 
 def _guard_positions(implicit: bool):
     def mask(ff: ForwardFacts):
-        if ff.mask2d is None or ff.positions is None or ff.implicit != implicit:
+        if ff.mask2d is None or ff.positions is None or ff.implicit != implicit \
+                or (implicit and ff.relative):
             return None
         return P.forward_position_slots(ff.mask2d, ff.positions, ff.c).any(dim=1)
     return mask
+
+
+def _shifted_slots(ff: ForwardFacts):
+    """[B, C + q] bool: valid new tokens whose implicit position (its slot) minus the
+    valid slots before it differs from that of the row's first valid slot: a hole or
+    padding between valid slots changes relative distances."""
+    if ff.mask2d is None or not ff.implicit or not ff.relative:
+        return None
+    valid = ff.mask2d.bool()
+    s = valid.shape[1]
+    offset = torch.arange(s, device=valid.device)[None, :] - P.valid_before(valid)
+    first = torch.where(valid, offset, s).amin(dim=1, keepdim=True)
+    bad = valid[:, ff.c:] & (offset[:, ff.c:] != first)
+    return torch.cat([torch.zeros(bad.shape[0], ff.c, dtype=torch.bool, device=bad.device), bad],
+                     dim=1)
+
+
+def _guard_shifted(ff: ForwardFacts):
+    bad = _shifted_slots(ff)
+    return None if bad is None else bad.any(dim=1)
 
 
 def _guard_positions_no_mask(ff: ForwardFacts):
@@ -1128,6 +1204,12 @@ GUARD_RULES = (
          "padding or holes: pass position_ids)", ("attention_mask", "cache"),
          mask=_guard_positions(True), slots=_guard_position_slots, columns="forward",
          lines=_GUARD_LINES),
+    Rule("guard.positions_relative", "I3",
+         "positions left implicit on a relative-position model: every valid slot of a row "
+         "must keep the same offset between its slot and the valid slots before it (a hole "
+         "or padding before a new token changes relative distances: pass position_ids)",
+         ("attention_mask", "cache"), mask=_guard_shifted, slots=_shifted_slots,
+         columns="forward", lines=_GUARD_LINES, slot_priority=1),
     Rule("guard.positions_no_mask", "I3",
          "without an attention mask every slot is valid, so position_ids must be cache "
          "length + arange(new tokens)", ("position_ids", "cache"),

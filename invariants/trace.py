@@ -37,6 +37,9 @@ INVARIANT_NAMES = {
     "I5": "KV coherence",
     "I6": "token conservation",
     "I7": "output equivalence",
+    "C1": "context = prompt ++ committed tokens",
+    "C2": "greedy consistency",
+    "C3": "outputs",
 }
 
 

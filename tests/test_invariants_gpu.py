@@ -140,12 +140,38 @@ def test_guard_is_silent_on_the_engine_and_hf_generate_on_gpu():
 
 def test_fast_guard_checks_a_forward_without_syncing():
     target, _ = on_device("llama")
-    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], device=DEVICE)
+    ids = torch.tensor([[5, 2, 2, 6, 7], [8, 9, 10, 11, 12]], device=DEVICE)
+    mask = torch.tensor([[1, 0, 0, 1, 1], [1] * 5], device=DEVICE)
     with guard_model(target, mode="fast", raise_on_violation=False) as g:
         with no_sync():
-            g._pre(target, (ids,), {"attention_mask": mask})  # implicit positions: row 0 wrong
+            # implicit positions over a hole: row 0 wrong
+            g._pre(target, (ids,), {"attention_mask": mask})
     assert [v.rows for v in g.violations] == [[0]]
+
+
+def test_the_fast_content_guard_never_syncs_and_is_silent_on_the_engine():
+    """The content rules' hooks (pre, the argmax record, the cache's wrapped update) on
+    GPU tensors: no synchronisation in fast mode, no false alarm, outputs checked."""
+    from invariants.guard import Guard
+
+    target, draft = on_device("llama")
+    g = Guard(target, "fast", prompts=PROMPTS, max_new_tokens=BUDGET, stop_token_ids=[2])
+
+    def quiet(fn):
+        def wrapped(*a, **k):
+            with no_sync():
+                return fn(*a, **k)
+        return wrapped
+    g._pre, g._post = quiet(g._pre), quiet(g._post)
+    g.content._learn = quiet(g.content._learn)
+    g.install()
+    try:
+        res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=K,
+                               batch_size=3, max_new_tokens=BUDGET, stop_token_ids=[2])
+    finally:
+        g.remove()
+    assert g.check() == [] and g.check_outputs(res.sequences) == []
+    assert g.content.unknown == 0 and g.content.skipped == 0 and g.forwards > 2
 
 
 def counting_syncs(hook, per_step: Counter):

@@ -177,9 +177,11 @@ def test_silent_on_hugging_face_generate_left_padded(model, refs):
 
 # -- each mistake is caught ----------------------------------------------------------------
 
-def test_catches_positions_left_implicit_with_left_padding(model):
+def test_exact_positions_catch_positions_left_implicit_with_left_padding(model):
+    """positions="exact" keeps the strict rule: implicit positions must equal the number of
+    valid slots before each new token (harmless on RoPE, but some users want it)."""
     with pytest.raises(InvariantViolation) as err:
-        with guard_model(model):
+        with guard_model(model, positions="exact"):
             greedy_loop(model, PROMPTS, positions="implicit")
     v = err.value
     assert (v.invariant, v.phase, v.step) == ("I3", "forward", 0)
@@ -251,7 +253,7 @@ def test_catches_a_cache_position_that_is_not_the_cache_length(model):
 def test_fast_mode_raises_when_the_block_ends(model):
     g = None
     with pytest.raises(InvariantViolation):
-        with guard_model(model, mode="fast") as g:
+        with guard_model(model, mode="fast", positions="exact") as g:
             greedy_loop(model, PROMPTS, positions="implicit")
             assert g.violations == []  # nothing read yet
     assert g.violations and g.violations[0].invariant == "I3"
@@ -259,14 +261,14 @@ def test_fast_mode_raises_when_the_block_ends(model):
 
 def test_fast_mode_checks_a_forward_without_reading_tensor_values(model):
     ids, mask = left_pad(PROMPTS)
-    with guard_model(model, mode="fast", raise_on_violation=False) as g:
+    with guard_model(model, mode="fast", raise_on_violation=False, positions="exact") as g:
         with no_host_transfers():
             g._pre(model, (ids,), {"attention_mask": mask})  # implicit positions: wrong
     assert [v.invariant for v in g.violations] == ["I3"]
 
 
 def test_recording_mode_collects_without_raising(model):
-    with guard_model(model, raise_on_violation=False) as g:
+    with guard_model(model, raise_on_violation=False, positions="exact") as g:
         greedy_loop(model, PROMPTS, positions="implicit")
     assert len(g.violations) == 6  # every forward of the loop
 
@@ -282,14 +284,14 @@ def test_hooks_are_removed_on_exit_and_after_an_exception(model):
         assert len(model._forward_pre_hooks) == 1
     assert len(model._forward_pre_hooks) == 0
     with pytest.raises(InvariantViolation):
-        with guard_model(model):
+        with guard_model(model, positions="exact"):
             greedy_loop(model, PROMPTS, positions="implicit")
     assert len(model._forward_pre_hooks) == 0
 
 
 def test_the_guard_trace_shows_mask_and_positions(model):
     with pytest.raises(InvariantViolation) as err:
-        with guard_model(model, run={"loop": "greedy-implicit"}):
+        with guard_model(model, run={"loop": "greedy-implicit"}, positions="exact"):
             greedy_loop(model, PROMPTS, positions="implicit")
     v = err.value
     text = str(v)

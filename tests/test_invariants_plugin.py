@@ -19,12 +19,12 @@ def tiny():
                       num_attention_heads=2, num_key_value_heads=1)
     return LlamaForCausalLM(cfg).eval()
 
-def test_left_padding_without_positions(guarded):
+def test_a_hole_without_positions(guarded):
     model = guarded(tiny())
-    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    ids = torch.tensor([[5, 0, 6], [7, 8, 9]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)  # positions implicit: row 0 is wrong
+        model(input_ids=ids, attention_mask=mask)  # positions implicit over a hole: row 0 is wrong
 """
 
 
@@ -76,4 +76,4 @@ def test_traces_of_failures_can_be_written_to_a_directory(pytester):
     assert len(files) == 1
     trace = json.loads(files[0].read_text())
     assert trace["invariant"] == "I3" and trace["run"]["test"].endswith(
-        "test_left_padding_without_positions")
+        "test_a_hole_without_positions")

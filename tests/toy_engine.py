@@ -151,3 +151,41 @@ def hf_tiny_llama(seed: int = 0, vocab: int = 64):
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
     return model.eval()
+
+
+#: the tiny families ``hf_tiny`` builds, with the kind of positions each one uses
+HF_TINY_POSITIONS = {"llama": "relative", "qwen3": "relative", "mistral": "relative",
+                     "glm4": "relative", "gemma3": "relative", "gpt2": "absolute"}
+
+
+def hf_tiny(family: str, seed: int = 0, vocab: int = 64):
+    """A seeded fp32 2-layer causal LM of ``family`` (a key of ``HF_TINY_POSITIONS``) from
+    transformers alone, on 4.51 and 5.24 alike; weights scaled as in ``hf_tiny_llama``."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=vocab, num_hidden_layers=2, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=2)
+    attn = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    configs = {
+        "llama": ("LlamaConfig", attn),
+        "qwen3": ("Qwen3Config", attn),
+        "mistral": ("MistralConfig", dict(attn, sliding_window=None)),
+        "glm4": ("Glm4Config", attn),
+        "gemma3": ("Gemma3TextConfig", dict(attn, query_pre_attn_scalar=8, sliding_window=16)),
+        "gpt2": ("GPT2Config", dict(n_embd=32, n_head=4, n_positions=128)),
+    }
+    name, extra = configs[family]
+    if family == "gpt2":
+        common["n_layer"] = common.pop("num_hidden_layers")
+    cfg = getattr(transformers, name)(**common, **extra)
+    cfg._attn_implementation = "eager" if family == "gemma3" else "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 2.0 / p.shape[-1] ** 0.5)
+    return model.float().eval()
