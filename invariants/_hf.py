@@ -186,3 +186,81 @@ def teacher_forced_margin(model, prompt, prefix) -> tuple[float, int]:
     ids = torch.as_tensor(list(prompt) + list(prefix), dtype=torch.long, device=dev)[None, :]
     logits = model(input_ids=ids, use_cache=False).logits[0, -1]
     return top2_margin(logits), int(logits.argmax())
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype the model computes its logits in (its output embedding's, else its
+    first floating parameter's)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _accepts(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+@torch.no_grad()
+def shaped_logits(model, ids, *, padding: int = 0, split=(), batch: int = 1) -> torch.Tensor:
+    """fp32 ``[V]``: the next-token logits after ``ids`` computed in a given shape.
+
+    The row is left-padded by ``padding`` masked slots (explicit positions ``0 .. n-1`` on
+    its real tokens). ``split`` gives the real tokens of each forward before the last one,
+    which run at batch 1 over a ``DynamicCache`` (the first also covers the padding); the
+    last forward takes the remaining tokens with the cache repeated to ``batch`` identical
+    rows, the shape of an engine's batched step (a row's values never depend on the other
+    rows' contents, only on the shapes). ``split=()`` and ``batch=1``: one plain forward.
+    """
+    from transformers import DynamicCache
+
+    ids = [int(t) for t in ids]
+    n = len(ids)
+    sizes = [int(s) for s in split]
+    if n < 1 or any(s < 1 for s in sizes) or sum(sizes) >= n:
+        raise ValueError(f"split {tuple(sizes)} must cut the {n} tokens into positive parts "
+                         f"that leave at least one token for the last forward")
+    if padding < 0 or batch < 1:
+        raise ValueError(f"padding must be >= 0 and batch >= 1, got padding={padding}, "
+                         f"batch={batch}")
+    dev = model_device(model)
+    tokens = torch.tensor([ids[0]] * padding + ids, dtype=torch.long, device=dev)[None]
+    mask = torch.ones_like(tokens)
+    mask[:, :padding] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cuts = [0]  # slot boundaries of the forwards (the first also covers the padding)
+    for s in sizes:
+        cuts.append(cuts[-1] + s + (padding if len(cuts) == 1 else 0))
+    if batch > 1 and not sizes:
+        cuts = []  # nothing runs before the batched forward: it takes the whole row
+    kw = {"use_cache": bool(cuts[1:]) or batch > 1}
+    if kw["use_cache"]:
+        kw[cache_kwarg(model)] = DynamicCache()
+    if _accepts(model, "logits_to_keep"):
+        kw["logits_to_keep"] = 1
+    for a, b in zip(cuts, cuts[1:]):
+        model(input_ids=tokens[:, a:b], position_ids=positions[:, a:b],
+              attention_mask=mask[:, :b], **kw)
+    a = cuts[-1] if cuts else 0
+    if batch > 1 and sizes:
+        kw[cache_kwarg(model)].batch_repeat_interleave(batch)
+    rep = lambda t: t.expand(batch, -1)  # noqa: E731
+    out = model(input_ids=rep(tokens[:, a:]), position_ids=rep(positions[:, a:]),
+                attention_mask=rep(mask), **kw)
+    return out.logits[0, -1].float()
+
+
+@torch.no_grad()
+def forced_logits(model, prompt, output) -> torch.Tensor:
+    """``[len(output) + 1, V]`` (the model's dtype): one batch-1 forward over
+    ``prompt ++ output``; row ``i`` holds the next-token logits after ``output[:i]``."""
+    ids = torch.as_tensor(list(prompt) + list(output), dtype=torch.long,
+                          device=model_device(model))[None]
+    keep = len(output) + 1
+    if _accepts(model, "logits_to_keep"):
+        return model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
+    return model(input_ids=ids, use_cache=False).logits[0, -keep:]

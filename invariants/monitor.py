@@ -24,15 +24,19 @@ Modes (``MODES``):
 - ``deep``: strict plus I5 (each row's K/V recomputed by a clean batch-1 prefill, compared
   with allclose at every valid cache slot, at the prefill, verify and realign phases;
   tolerances ``predicates.KV_TOLERANCE`` unless ``kv_atol``/``kv_rtol`` are given) and I7
-  (after every commit, each row's output so far must be a prefix of the target's batch-1
-  greedy reference, computed here; a divergence whose reference margin is a near-tie
-  within ``near_tie_tolerance`` is recorded in ``near_ties`` and ends the comparison of
-  that row instead of raising). Pending cheap flags are read before a deep violation is
-  raised, so the first failing phase is still the one reported.
+  (after every commit, each row's new tokens are checked by the output oracle,
+  ``equivalence.check_row``: up to its first divergence a row must follow the target's
+  batch-1 greedy reference, computed here; a divergence that is a numerical near-tie is
+  recorded in ``near_ties`` with its evidence, and the row's later tokens are then checked
+  against the target's greedy choice after the row's own prefix, so a later desync is still
+  raised. ``near_tie_tolerance=None``, the default, is the oracle's calibrated rule,
+  measured in the model's dtype and in the view's batch shape; a number is the absolute
+  rule). Pending cheap flags are read before a deep violation is raised, so the first
+  failing phase is still the one reported.
 
 Sampling engines (``view.sampling``). Coupled mode: the view's ``predictions`` are the
 target's coupled choices, so I1-I6 apply unchanged, and deep I7 compares with batch-1
-coupled sampling (the argmax of ``view.sampling.scores``; margins of the scores).
+coupled sampling (the argmax of ``view.sampling.scores``; the oracle judges the scores).
 Rejection mode: I1-I6 apply unchanged to the step's own choices (accepted drafts, then the
 residual or bonus sample): the commit writes exactly them, accepted counts are the longest
 prefix of drafts equal to them, budgets and stops hold. What no step rule can check is
@@ -76,7 +80,7 @@ import torch
 from . import predicates as P
 from . import rules as R
 from .checker import Checker, Entry
-from .equivalence import DEFAULT_TOLERANCE, classify, first_divergence
+from .equivalence import DEFAULT_TOLERANCE, EngineShape, check_row, rule_text
 from .modes import MODES, READS
 from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
 from .view import PHASES, StepView
@@ -161,7 +165,7 @@ class Monitor(Checker):
     """A step hook checking I1-I7; see the module docstring for modes and costs.
 
     ``Monitor(mode="strict", *, raise_on_violation=True, run=None, invariants=None,
-    kv_atol=None, kv_rtol=None, near_tie_tolerance=1e-3, max_violations=100,
+    kv_atol=None, kv_rtol=None, near_tie_tolerance=None, max_violations=100,
     skip_unchanged=True, remember_rows=256, read="step")``; ``invariants`` restricts the
     checks to a subset of ``("I1", ..., "I7")``. ``remember_rows``: how many requests'
     prompts and outputs the I6 history rules remember across views (the newest; at least
@@ -173,7 +177,8 @@ class Monitor(Checker):
 
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
-                 kv_rtol: float | None = None, near_tie_tolerance: float = DEFAULT_TOLERANCE,
+                 kv_rtol: float | None = None,
+                 near_tie_tolerance: float | None = DEFAULT_TOLERANCE,
                  max_violations: int = 100, skip_unchanged: bool = True,
                  remember_rows: int = 256, read: str = "step"):
         chosen = tuple(P.INVARIANTS if invariants is None else invariants)
@@ -218,7 +223,8 @@ class Monitor(Checker):
         self._history: list = []  # (step, row_ids, accepted), device tensors
         self._pending = []
         self._refs: dict = {}  # deep I7: request id -> (ids, margins)
-        self._diverged: set = set()
+        self._checked: dict = {}  # deep I7: request id -> (output checked, past a near-tie)
+        self._settled: set = set()  # deep I7: rows finished or desynchronised
         self._memo: dict = {}  # group name -> (values, versions) it last checked
         self._plans: dict = {}  # (phase, profile, ...) -> the groups to run
         self._lookups: dict = {}  # row-id tensor -> its rows in a remembered state
@@ -387,34 +393,45 @@ class Monitor(Checker):
         gen = view.generated.tolist()
         fin = view.finished.tolist()
         budgets = view.budgets.tolist()
+        lengths = view.lengths.tolist()
         out = view.output.tolist()
         prompts = self._prompt_lists(view)
         bad_rows, slots, rules = [], [], []
         for b, rid in enumerate(ids):
-            if rid in self._diverged or prompts[b] is None:
+            if rid in self._settled or prompts[b] is None:
                 continue
             if rid not in self._refs:
                 from ._hf import greedy_reference
 
                 self._refs[rid] = greedy_reference(view.model, prompts[b], budgets[b],
                                                    view.stop_token_ids, view.sampling, rid)
-            ref = self._refs[rid][0]
             o = out[b][: gen[b]]
-            if first_divergence(o, ref if fin[b] else ref[: len(o)]) is None:
+            seen, past_tie = self._checked.get(rid, ([], False))
+            if o[: len(seen)] != seen:  # the output changed after it was checked: again
+                seen, past_tie = [], False
+            checked = len(seen)
+            if len(o) <= checked and not fin[b]:
                 continue
-            row = classify(view.model, prompts[b], o, ref if fin[b] else ref[: len(o)], b,
-                           self.near_tie_tolerance, view.sampling, rid)
-            self._diverged.add(rid)  # past a divergence the reference no longer applies
-            if row.classification == "near-tie":
-                self.near_ties.append({"step": view.step, "row": b, "row_id": rid,
-                                       "index": row.first_divergence, "engine": row.actual,
-                                       "reference": row.expected, "margin": row.margin})
+            shape = EngineShape(view.batch_size, max(view.width - lengths[b], 0), view.k + 1)
+            row = check_row(view.model, prompts[b], o, None if past_tie else self._refs[rid][0],
+                            row=b, start=checked, complete=bool(fin[b]), budget=budgets[b],
+                            stop_token_ids=view.stop_token_ids,
+                            tolerance=self.near_tie_tolerance, shape=shape,
+                            sampling=view.sampling, request=rid)
+            self.near_ties += [{"step": view.step, "row": b, "row_id": rid, **d.as_dict()}
+                               for d in row.near_ties]
+            self._checked[rid] = (o, past_tie or bool(row.near_ties))
+            if fin[b]:
+                self._settled.add(rid)
+            bad = row.desync
+            if bad is None:
                 continue
+            self._settled.add(rid)  # past a desync the row is not checked again
             bad_rows.append(b)
-            slots.append([row.first_divergence])
-            what = "greedy" if view.sampling is None else "coupled-sampling"
-            rules.append(R.R_REFERENCE.text(what=what, detail=row.describe(),
-                                            tol=self.near_tie_tolerance))
+            slots.append([bad.index])
+            what = "greedy decoding" if view.sampling is None else "plain coupled sampling"
+            rules.append(R.R_REFERENCE.text(what=what, detail=f"row {b}: {bad.describe()}",
+                                            oracle=rule_text(self.near_tie_tolerance)))
         if bad_rows:
             self.read()  # cheap violations of this phase or earlier come first
             self._emit(self._build(view, "I7", bad_rows, slots, rules, rule=R.R_REFERENCE,

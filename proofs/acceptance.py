@@ -1,7 +1,8 @@
 """Proof obligations of greedy acceptance and the per-row budget.
 
 The symbolic situation (``AccBatch``) for a batch of ``B`` rows in a verify step with
-``k`` drafts: row ``b`` has a budget ``budget[b] >= 1`` and has generated
+``k`` drafts: row ``b`` drafts its own ``0 <= kb[b] <= k`` (symbolic; the verify covers
+``k + 1`` tokens), has a budget ``budget[b] >= 1`` and has generated
 ``generated[b] < budget[b]`` tokens (rows that reach their budget leave the batch, see
 "rows in a step have budget"), so ``remaining = budget - generated >= 1`` (unbounded);
 draft ``i`` matches the target's prediction (``match[b][i]``, ``d_{i+1} == y_i``) and
@@ -34,14 +35,15 @@ class AccBatch:
         self.B, self.k = B, k
         self.budget = [z3.Int(f"budget{b}") for b in range(B)]
         self.generated = [z3.Int(f"generated{b}") for b in range(B)]
+        self.kb = [z3.Int(f"kb{b}") for b in range(B)]  # the row's own draft length
         self.match = [[z3.Bool(f"match{b}_{i}") for i in range(k)] for b in range(B)]
         self.stop = [[z3.Bool(f"stop{b}_{i}") for i in range(k + 1)] for b in range(B)]
         self.assumptions = []
-        for bu, g in zip(self.budget, self.generated):
-            self.assumptions += [bu >= 1, g >= 0, g < bu]
+        for bu, g, kb in zip(self.budget, self.generated, self.kb):
+            self.assumptions += [bu >= 1, g >= 0, g < bu, kb >= 0, kb <= k]
         self.remaining = [bu - g for bu, g in zip(self.budget, self.generated)]
         rem = column(self.remaining)
-        self.limit = layout.draft_limit(Z3, k, rem)
+        self.limit = layout.draft_limit(Z3, column(self.kb), rem)
         # [B, k] match bits against draft index [1, k] (shapes [B, 0] and [1, 0] when k = 0)
         self.accepted = layout.accepted_from_matches(Z3, zt(self.match), row(range(k)),
                                                      self.limit)
@@ -50,7 +52,7 @@ class AccBatch:
         gen_after = column(self.generated) + self.committed
         self.finished = layout.row_finished(column([False] * B), self.stopped, gen_after,
                                             column(self.budget))
-        self.sizes = self.budget + self.generated
+        self.sizes = self.budget + self.generated + self.kb
         self.independent = None  # cached result of row_independent
 
     def get(self, name: str, b: int):
@@ -58,7 +60,7 @@ class AccBatch:
 
     def row_vars(self, b: int) -> list:
         """Row ``b``'s own variables (``core.row_independent`` renames them)."""
-        return [self.budget[b], self.generated[b], *self.match[b], *self.stop[b]]
+        return [self.budget[b], self.generated[b], self.kb[b], *self.match[b], *self.stop[b]]
 
     def outputs(self, b: int) -> list:
         """Row ``b``'s output terms."""
@@ -69,6 +71,7 @@ class AccBatch:
         for b in range(self.B):
             out["rows"].append({
                 "budget": val(model, self.budget[b]), "generated": val(model, self.generated[b]),
+                "k_b": val(model, self.kb[b]),
                 "match": [val(model, x) for x in self.match[b]],
                 "stop": [val(model, x) for x in self.stop[b]],
                 "limit": val(model, self.get("limit", b)),
@@ -107,8 +110,9 @@ def per_row(row_violation, k_max: int = K_MAX):
 # -- obligations ---------------------------------------------------------------------------
 
 def _limit(bt: AccBatch, b: int):
-    lim, rem = bt.get("limit", b), bt.remaining[b]
-    return z3.Or(lim < 0, lim > bt.k, lim > rem - 1)
+    lim, rem, kb = bt.get("limit", b), bt.remaining[b], bt.kb[b]
+    exact = z3.If(kb <= rem - 1, kb, z3.If(rem - 1 >= 0, rem - 1, 0))
+    return z3.Or(lim < 0, lim > bt.k, lim != exact)
 
 
 def _accepted_prefix(bt: AccBatch, b: int):
@@ -121,7 +125,7 @@ def _accepted_prefix(bt: AccBatch, b: int):
 
 def _committed_bounds(bt: AccBatch, b: int):
     c = bt.get("committed", b)
-    return z3.Or(c < 1, c > bt.k + 1)
+    return z3.Or(c < 1, c > bt.kb[b] + 1, c > bt.k + 1)
 
 
 def _budget(bt: AccBatch, b: int):
@@ -156,14 +160,14 @@ def obligations(k_max: int = K_MAX) -> list[Obligation]:
     scope = f"k<={k_max}, budget unbounded, B>1 row-indep"
     mk = lambda f: per_row(f, k_max)  # noqa: E731
     return [
-        Obligation(P + "draft limit in [0, min(k, remaining-1)]",
-                   "a row may use at most k drafts and leaves its last budgeted token to the target",
-                   mk(_limit), scope=scope),
+        Obligation(P + "draft limit = min(k_b, remaining-1) >= 0",
+                   "a row may use its own k_b <= k drafts and leaves its last budgeted token "
+                   "to the target", mk(_limit), scope=scope),
         Obligation(P + "accepted = longest matching prefix",
                    "accepted drafts are the longest prefix d_1..d_a equal to y_0..y_(a-1), a <= limit",
                    mk(_accepted_prefix), scope=scope),
-        Obligation(P + "1 <= committed <= k+1",
-                   "every row commits at least one and at most k+1 tokens per step",
+        Obligation(P + "1 <= committed <= k_b+1 <= k+1",
+                   "every row commits at least one and at most its own k_b + 1 tokens per step",
                    mk(_committed_bounds), scope=scope),
         Obligation(P + "committed <= remaining budget",
                    "a row never commits beyond its remaining budget",
@@ -174,4 +178,25 @@ def obligations(k_max: int = K_MAX) -> list[Obligation]:
         Obligation(P + "rows in a step have budget",
                    "a row that stays has budget left; a row ends exactly at budget or on a stop",
                    mk(_stays_with_budget), scope=scope),
+        Obligation(P + "verify width = max k_b + 1",
+                   "draft_width is the largest k_b of the rows in the step (0: none drafts, "
+                   "a plain step of width 1); rows outside it do not count",
+                   _draft_width, scope="k_b unbounded"),
     ]
+
+
+# -- the verify width of a step --------------------------------------------------------------
+
+def _draft_width(B: int) -> Query:
+    kb = [z3.Int(f"kb{b}") for b in range(B)]
+    keep = [z3.Bool(f"keep{b}") for b in range(B)]
+    w = cell(layout.draft_width(Z3, column(kb), column(keep)), 0, 0)
+    below = any_row(z3.And(keep[b], kb[b] > w) for b in range(B))
+    attained = z3.Or(*[z3.And(keep[b], kb[b] == w) for b in range(B)])
+    violation = z3.Or(below, w < 0, z3.And(w > 0, z3.Not(attained)))
+
+    def witness(mdl):
+        return {"model": "draft width", "batch_size": B, "width": val(mdl, w),
+                "rows": [{"k_b": val(mdl, kb[b]), "in step": val(mdl, keep[b])} for b in range(B)]}
+
+    return Query([x >= 0 for x in kb], violation, witness, kb)

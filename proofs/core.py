@@ -204,10 +204,12 @@ def clear_symbolic() -> None:
 
 
 class VerifyRows:
-    """``B`` rows of a verify step with ``k >= 0`` drafts from old width ``W``: row ``b`` has
-    ``1 <= n[b] <= W`` real tokens, commits ``1 <= m[b] <= k + 1`` tokens and accepted
-    ``m[b] - 1 <= a[b] <= k`` drafts. The base of the strategies' symbolic batches, which
-    add their own terms and assumptions."""
+    """``B`` rows of a verify step with ``k >= 0`` drafts (the verify covers ``k + 1``
+    tokens per row) from old width ``W``: row ``b`` drafts its own ``0 <= kb[b] <= k``
+    tokens (``k`` is at least the largest: ``layout.draft_width`` over the rows of the
+    step, finished ones included), has ``1 <= n[b] <= W`` real tokens, accepted
+    ``a[b] <= kb[b]`` drafts and commits ``1 <= m[b] <= a[b] + 1`` tokens. The base of the
+    strategies' symbolic batches, which add their own terms and assumptions."""
 
     def __init__(self, B: int):
         self.B = B
@@ -215,11 +217,12 @@ class VerifyRows:
         self.n = [z3.Int(f"n{b}") for b in range(B)]
         self.m = [z3.Int(f"m{b}") for b in range(B)]
         self.a = [z3.Int(f"a{b}") for b in range(B)]  # accepted drafts
+        self.kb = [z3.Int(f"kb{b}") for b in range(B)]  # the row's own draft length
         self.assumptions = [self.k >= 0]
-        for n, m, a in zip(self.n, self.m, self.a):
-            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1,
-                                 a >= m - 1, a <= self.k]
-        self.sizes = [self.k, self.W] + self.n + self.m + self.a
+        for n, m, a, kb in zip(self.n, self.m, self.a, self.kb):
+            self.assumptions += [n >= 1, n <= self.W, m >= 1, kb >= 0, kb <= self.k,
+                                 a >= m - 1, a <= kb]
+        self.sizes = [self.k, self.W] + self.n + self.m + self.a + self.kb
 
 
 def row_independent(bt, one) -> bool:

@@ -1,9 +1,10 @@
 """Proof obligations of the EQSPEC realignment (contiguous profile).
 
 The symbolic situation (``EqBatch``), for a batch of ``B`` rows that stay after a verify
-step: ``k >= 0`` drafts (unbounded), old width ``W``, row ``b`` with ``n[b]`` real tokens,
-``1 <= n[b] <= W`` (rows that finished this step only make ``W`` larger, so any
-``W >= max n`` is reachable), committing ``m[b]`` tokens with ``1 <= m[b] <= k + 1``.
+step: ``k >= 0`` drafts (unbounded; the verify covers ``k + 1`` tokens), old width ``W``,
+row ``b`` with ``n[b]`` real tokens, ``1 <= n[b] <= W`` (rows that finished this step only
+make ``W`` larger, so any ``W >= max n`` is reachable), its own draft length
+``0 <= kb[b] <= k``, committing ``m[b]`` tokens with ``1 <= m[b] <= kb[b] + 1``.
 Every integer is unbounded; only ``B`` is bounded. The new width ``W'`` and the plan are
 computed by ``specdec.layout.new_width`` and ``specdec.layout.realign_plan`` themselves,
 evaluated on z3 terms (``proofs.ops``), at a symbolic destination slot ``j`` (and ``j2``
@@ -38,10 +39,12 @@ class EqBatch:
         self.W = z3.Int("W")
         self.n = [z3.Int(f"n{b}") for b in range(B)]
         self.m = [z3.Int(f"m{b}") for b in range(B)]
+        self.kb = [z3.Int(f"kb{b}") for b in range(B)]  # the row's own draft length
         self.Wn = z3.Int("W_new")
         self.assumptions = [self.k >= 0, self.W >= 1]
-        for n, m in zip(self.n, self.m):
-            self.assumptions += [n >= 1, n <= self.W, m >= 1, m <= self.k + 1]
+        for n, m, kb in zip(self.n, self.m, self.kb):
+            self.assumptions += [n >= 1, n <= self.W, m >= 1, kb >= 0, kb <= self.k,
+                                 m <= kb + 1]
         n_col, m_col = column(self.n), column(self.m)
         keep = column([True] * B)
         # W' by definition (a named term keeps the formulas small)
@@ -52,7 +55,7 @@ class EqBatch:
             args = (scalar(j), n_col, m_col, scalar(self.W), scalar(self.Wn), scalar(self.k))
             self.plan[s] = layout.realign_plan(Z3, *args)
             self.raw[s] = layout.realign_plan(Z3_NOCLAMP, *args)
-        self.sizes = [self.k, self.W] + self.n + self.m
+        self.sizes = [self.k, self.W] + self.n + self.m + self.kb
 
     # per-row accessors (z3 terms) ------------------------------------------------------
     def n_new(self, b):
@@ -71,7 +74,8 @@ class EqBatch:
         return z3.And(j >= 0, j < self.Wn - 1)
 
     def witness(self, model, violation_rows=None) -> dict:
-        rows = [{"n": val(model, n), "m": val(model, m)} for n, m in zip(self.n, self.m)]
+        rows = [{"n": val(model, n), "m": val(model, m), "k_b": val(model, kb)}
+                for n, m, kb in zip(self.n, self.m, self.kb)]
         out = {
             "strategy": STRATEGY, "batch_size": self.B, "k": val(model, self.k),
             "old_width": val(model, self.W), "new_width": val(model, self.Wn), "rows": rows,
@@ -177,6 +181,32 @@ def _cache_computed(bt: EqBatch, b: int):
                   z3.Or(src < bt.W - bt.n[b], src > bt.W + bt.m[b] - 2))
 
 
+def _cache_not_past_own_drafts(bt: EqBatch, b: int):
+    # per-row draft lengths: the verify computed KV for k drafts in every row, but row b
+    # drafted k_b; a valid cache slot never keeps the KV of a filler draft d_(k_b+1) ..
+    # d_k (extended KV slots W + k_b .. W + k - 1)
+    return z3.And(bt.in_cache(), bt.get("valid", b), bt.get("src_cache", b) >= bt.W + bt.kb[b])
+
+
+def _identity(bt: EqBatch):
+    # the host's fast path (strategies/eqspec.after_step): when every row has source shift
+    # 0 (layout.realign_is_identity), the cache gather is replaced by a crop to
+    # cache_width(W'), so every valid cache slot must read its own slot
+    shift0 = [layout.realign_is_identity(bt.W, bt.Wn, m) for m in bt.m]
+    moved = any_row(z3.And(bt.in_cache(), bt.get("valid", b), bt.get("src_cache", b) != bt.slots["j"])
+                    for b in range(bt.B))
+    return z3.And(*shift0, moved)
+
+
+def _identity_when_uniform(bt: EqBatch):
+    # ... and the fast path is taken in the common case: every row committed the same
+    # count and the longest row filled the old width (min padding 0, I2)
+    same = [m == bt.m[0] for m in bt.m[1:]]
+    fills = z3.Or(*[n == bt.W for n in bt.n])
+    shift0 = z3.And(*[layout.realign_is_identity(bt.W, bt.Wn, m) for m in bt.m])
+    return z3.And(*same, fills, z3.Not(shift0))
+
+
 def _cache_matches_token(bt: EqBatch, b: int):
     # cache slot j holds the KV of the token in slot j (extended KV slot s = token slot s)
     return z3.And(bt.in_cache(), bt.get("valid", b),
@@ -271,6 +301,15 @@ def obligations() -> list[Obligation]:
         Obligation(P + "I1 cache reads computed KV only",
                    "a valid cache slot reads extended KV slot W-n .. W+m-2 of its row",
                    per_row(("j",), _cache_computed), scope=SCOPE),
+        Obligation(P + "I5 no KV of a draft past k_b kept",
+                   "a valid cache slot never reads KV slot W+k_b .. W+k-1 (a shorter row's filler)",
+                   per_row(("j",), _cache_not_past_own_drafts), scope=SCOPE),
+        Obligation(P + "crop fast path: shift 0 => identity",
+                   "when every kept row has source shift 0, every valid cache slot reads its own "
+                   "slot (the gather is a crop to W'-1)", batch_level(("j",), _identity), scope=SCOPE),
+        Obligation(P + "crop fast path taken on equal commits",
+                   "every row committing the same count with min padding 0 has source shift 0",
+                   batch_level(("j",), _identity_when_uniform), scope=SCOPE),
         Obligation(P + "I5 cache slot = token slot",
                    "cache slot j holds the KV of the token in slot j",
                    per_row(("j",), _cache_matches_token), scope=SCOPE),

@@ -61,7 +61,7 @@ class ExBatch(VerifyRows):
                "W": val(model, self.W), "grouped": val(model, self.grouped),
                "j": val(model, self.j), "j2": val(model, self.j2), "i": val(model, self.i),
                "rows": [{"n": val(model, n), "m": val(model, m), "accepted": val(model, a),
-                         "pad": val(model, cell(self.pad, b, 0)),
+                         "k_b": val(model, self.kb[b]), "pad": val(model, cell(self.pad, b, 0)),
                          "src(j)": val(model, self.get("src", b))}
                         for b, (n, m, a) in enumerate(zip(self.n, self.m, self.a))]}
         if rows is not None:

@@ -99,6 +99,7 @@ class HoleStep(VerifyRows):
                "k": val(model, self.k), "W": val(model, self.W), "W'": val(model, self.Wn),
                "i": val(model, self.i), "i2": val(model, self.i2),
                "rows": [{"n": val(model, n), "m": val(model, m), "accepted": val(model, a),
+                         "k_b": val(model, self.kb[b]),
                          "valid(i)": val(model, self.get("valid", b)),
                          "pos(i)": val(model, self.get("pos", b))}
                         for b, (n, m, a) in enumerate(zip(self.n, self.m, self.a))]}
@@ -138,6 +139,13 @@ def _rejected_holes(st: HoleStep, b: int):
     # (or accepted but cut by stop/budget) draft becomes a hole
     i = st.i
     return z3.And(i >= 0, i < st.k, st.get("valid", b) != (i < st.m[b] - 1))
+
+
+def _past_own_drafts(st: HoleStep, b: int):
+    # per-row draft lengths: the verify covers k + 1 slots for every row, but row b drafted
+    # only k_b of them; slots W + i for k_b <= i < k (filler) are never valid
+    i = st.i
+    return z3.And(i >= st.kb[b], i < st.k, st.get("valid", b))
 
 
 def _kept_are_committed(st: HoleStep, b: int):
@@ -202,6 +210,7 @@ class HoleRows:
         self.assumptions = [W >= 1, W <= MAX_WIDTH, k >= 0, k <= MAX_K]
         self.v = [[z3.Bool(f"v{b}_{s}") for s in range(MAX_WIDTH)] for b in range(B)]
         self.m = [z3.Int(f"m{b}") for b in range(B)]
+        self.kb = [z3.Int(f"kb{b}") for b in range(B)]  # the row's own draft length
         self.n, self.pos_old = [], []
         for b in range(B):
             v = self.v[b]
@@ -209,7 +218,8 @@ class HoleRows:
             # W - 1 is valid; positions are the I3 counts
             self.assumptions += [z3.Implies(s >= W, z3.Not(v[s])) for s in range(MAX_WIDTH)]
             self.assumptions += [z3.Implies(W - 1 == s, v[s]) for s in range(MAX_WIDTH)]
-            self.assumptions += [self.m[b] >= 1, self.m[b] <= k + 1]
+            self.assumptions += [self.kb[b] >= 0, self.kb[b] <= k, self.m[b] >= 1,
+                                 self.m[b] <= self.kb[b] + 1]
             self.pos_old.append([z3.If(v[s], _count(v[:s]), 0) for s in range(MAX_WIDTH)])
             self.n.append(_count(v))
         i = row([e - W for e in range(self.E)])  # extended index of slot e (e >= W)
@@ -224,11 +234,11 @@ class HoleRows:
             self.pos.append([z3.If(e < W, self.pos_old[b][e] if e < MAX_WIDTH else 0,
                                    cell(ext_pos, b, e)) for e in range(self.E)])
         self.Wn = layout.holes_width(W, k)
-        self.sizes = [W, k] + self.m
+        self.sizes = [W, k] + self.m + self.kb
         self.independent = None
 
     def row_vars(self, b):
-        return self.v[b] + [self.m[b]]
+        return self.v[b] + [self.m[b], self.kb[b]]
 
     def outputs(self, b):
         return self.valid[b] + self.pos[b]
@@ -240,7 +250,7 @@ class HoleRows:
         for b in range(self.B):
             out["rows"].append({
                 "n": val(model, self.n[b]), "m": val(model, self.m[b]),
-                "valid_before": _bits(model, self.v[b][:W]),
+                "k_b": val(model, self.kb[b]), "valid_before": _bits(model, self.v[b][:W]),
                 "valid_after": _bits(model, self.valid[b][:E]),
                 "positions_after": [val(model, p) for p in self.pos[b][:E]]})
         if rows is not None:
@@ -536,6 +546,9 @@ def obligations() -> list[Obligation]:
         Obligation(P + "I6 rejected drafts are holes",
                    "draft slot W+i (i<k) is valid iff the draft was committed (i < m-1)",
                    step_row(_rejected_holes), scope=SCOPE),
+        Obligation(P + "I6 slots past the row's k_b are holes",
+                   "a draft slot W+i with k_b <= i < k (filler of a shorter row) is never valid",
+                   step_row(_past_own_drafts), scope=SCOPE),
         Obligation(P + "I6 valid new slots hold committed tokens",
                    "a valid new slot holds an accepted draft (= y_i) at n+i, or y_(m-1) at n'-1",
                    step_row(_kept_are_committed), scope=SCOPE),

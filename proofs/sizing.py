@@ -6,7 +6,9 @@ index that is clamped or scattered, corrupt a neighbouring slot. These obligatio
 evaluate the same functions on z3 integers.
 
 The situation (``Sizing``), every quantity unbounded: a batch whose prompts have width
-``W0 >= 1`` and budgets ``<= max_budget`` (``>= 1``), ``k >= 0`` drafts. A row that takes
+``W0 >= 1`` and budgets ``<= max_budget`` (``>= 1``), sized for ``k >= 0`` drafts, stepping
+with ``0 <= ks <= k`` drafts (a step's verify covers ``max k_b + 1 <= k + 1`` tokens per
+row; ``ks`` may differ from step to step). A row that takes
 part in a step has a prompt of ``plen`` tokens (``1 <= plen <= W0``), a budget
 ``1 <= budget <= max_budget`` and ``generated < budget`` tokens so far (rows at their budget
 have left: ``layout.row_finished``), so ``n = plen + generated`` real tokens. Each
@@ -39,16 +41,20 @@ class Sizing:
         self.W0, self.max_budget, self.k = z3.Ints("W0 max_budget k")
         self.plen, self.budget, self.generated = z3.Ints("plen budget generated")
         self.i, self.steps, self.widest = z3.Ints("i steps widest")
+        self.ks, self.grown = z3.Ints("ks grown")  # this step's drafts; growth so far
         self.n = self.plen + self.generated
         self.assumptions = [self.W0 >= 1, self.max_budget >= 1, self.k >= 0,
+                            self.ks >= 0, self.ks <= self.k,
                             self.plen >= 1, self.plen <= self.W0,
                             self.budget >= 1, self.budget <= self.max_budget,
                             self.generated >= 0, self.generated < self.budget,
-                            self.i >= 0, self.i <= self.k]
-        self.sizes = [self.W0, self.max_budget, self.k, self.plen, self.budget, self.generated]
+                            self.i >= 0, self.i <= self.ks]
+        self.sizes = [self.W0, self.max_budget, self.k, self.ks, self.plen, self.budget,
+                      self.generated]
 
     def witness(self, model) -> dict:
-        names = ("W0", "max_budget", "k", "plen", "budget", "generated", "i", "steps", "widest")
+        names = ("W0", "max_budget", "k", "ks", "plen", "budget", "generated", "i", "steps",
+                 "grown", "widest")
         return {"model": "sizing", **{x: val(model, getattr(self, x)) for x in names}}
 
 
@@ -65,7 +71,7 @@ def _obligation(name: str, doc: str, violation, extra=lambda s: []) -> Obligatio
 # -- every strategy ------------------------------------------------------------------------
 
 def _output_column(s: Sizing):
-    # a step writes output columns generated + i, i = 0 .. k (committed tokens, then 0)
+    # a step writes output columns generated + i, i = 0 .. ks (committed tokens, then 0)
     return s.generated + s.i >= layout.output_width(s.max_budget, s.k)
 
 
@@ -73,8 +79,8 @@ def _output_column(s: Sizing):
 
 def _contiguous_verify(s: Sizing):
     # the batch steps from width W = the longest row's n; the verify writes slots up to
-    # W + k - 1
-    return z3.Not(layout.verify_fits(s.n, s.k, layout.contiguous_capacity(s.W0, s.max_budget, s.k)))
+    # W + ks - 1
+    return z3.Not(layout.verify_fits(s.n, s.ks, layout.contiguous_capacity(s.W0, s.max_budget, s.k)))
 
 
 def _reference_step(s: Sizing):
@@ -92,24 +98,25 @@ def _holes_capacity(s: Sizing, never: bool):
 def _holes_compacted(never: bool):
     def violation(s: Sizing):
         # a compaction leaves the width of the longest staying row
-        return z3.Not(layout.verify_fits(s.n, s.k, _holes_capacity(s, never)))
+        return z3.Not(layout.verify_fits(s.n, s.ks, _holes_capacity(s, never)))
     return violation
 
 
 def _holes_uncompacted(never: bool):
     def violation(s: Sizing):
-        # without compaction the width grows by k + 1 per step from W0; a row still steps
-        # after `steps` steps only if each committed >= 1 token: steps <= generated
-        width = s.W0 + s.steps * layout.holes_width(0, s.k)
-        return z3.Not(layout.verify_fits(width, s.k, _holes_capacity(s, never)))
+        # without compaction the width grows by ks_t + 1 per step t from W0 (``grown``:
+        # between 1 and k + 1 per step); a row still steps after `steps` steps only if
+        # each committed >= 1 token: steps <= generated
+        return z3.Not(layout.verify_fits(s.W0 + s.grown, s.ks, _holes_capacity(s, never)))
     return violation
 
 
 def _holes_uncompacted_assumptions(never: bool):
     def extra(s: Sizing):
-        out = [s.steps >= 0, s.steps <= s.generated]
+        out = [s.steps >= 0, s.steps <= s.generated, s.grown >= s.steps,
+               s.grown <= s.steps * layout.holes_width(0, s.k)]
         if not never:  # below the widest batch the threshold lets through
-            out += [s.widest >= 0, s.W0 + s.steps * layout.holes_width(0, s.k) <= s.widest]
+            out += [s.widest >= 0, s.W0 + s.grown <= s.widest]
         return out
     return extra
 
@@ -131,7 +138,7 @@ def _pool_writes(s: Sizing):
 
 def _pool_compute(s: Sizing):
     # the compute batch steps from the width of its longest row, at most n
-    return z3.Not(layout.verify_fits(s.n, s.k, layout.pool_compute_capacity(s.widest, s.k)))
+    return z3.Not(layout.verify_fits(s.n, s.ks, layout.pool_compute_capacity(s.widest, s.k)))
 
 
 def obligations() -> list[Obligation]:

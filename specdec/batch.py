@@ -137,6 +137,22 @@ class RaggedBatch:
             out.append(("draft cache", self.draft_cache.slab.store))
         return tuple(out)
 
+    def committed_context(self, predictions: torch.Tensor, committed: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, valid) [B, W + q] in the contiguous profile after a commit, before any
+        realignment: each row's real tokens, its ``committed`` new ones (``predictions
+        [:, :committed]``, [B, q] and [B]) included, right-aligned in order, so the newest
+        committed token (the next pending token) is last. What a drafter reads to plan the
+        next step (an int scatter and gather, ``compact_tokens``)."""
+        q = predictions.shape[1]
+        i = torch.arange(q, device=self.device)[None, :]
+        n = self.lengths[:, None]
+        tokens = torch.cat([self.tokens, predictions], dim=1)
+        valid = torch.cat([self.valid, i < committed[:, None]], dim=1)
+        positions = torch.cat([self.positions, layout.verify_position(n, i + 1)], dim=1)
+        return compact_tokens(tokens, valid, positions, layout.new_length(self.lengths, committed),
+                              self.width + q)
+
     def contiguous_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, valid) [B, W] in the contiguous profile: each row's real tokens
         right-aligned, in order (the batch's own tensors when it has no holes)."""

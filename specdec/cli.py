@@ -56,6 +56,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_int_option("max new tokens", 1), default=64,
                    help="new tokens per prompt (default 64)")
     p.add_argument("--strategy", default="eqspec", choices=strategies.names())
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the models are cast to and compute in (default float32)")
+    p.add_argument("--policy", default="adaptive", choices=("adaptive", "fixed"),
+                   help="draft lengths per row and step: adaptive (default: draft where it "
+                        "pays) or fixed (every row drafts k)")
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed", "sampling_mode")
@@ -150,15 +155,15 @@ def cmd_generate(args) -> int:
     plugin = strategies.get(args.strategy)
     engine.check_option_names(plugin, options)
     plugin.check_options(options, batch_size=args.batch_size)
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     drafter = drafters.NGramDrafter()
     if args.draft_model:
-        drafter = drafters.ModelDrafter(models.resolve(args.draft_model)[0])
+        drafter = drafters.ModelDrafter(models.resolve(args.draft_model, dtype=args.dtype)[0])
     ids = _encode(items, tok, chat=not args.no_chat)
     t0 = time.perf_counter()
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                          sampling=sampling, **_strategy_options(args))
+                          sampling=sampling, policy=args.policy, **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -201,7 +206,7 @@ def cmd_audit(args) -> int:
     if not items:
         raise ValueError(f"prompt file {args.prompts} holds no prompts")
     items = items[: args.limit] if args.limit else items
-    target, tok = models.resolve(args.model)
+    target, tok = models.resolve(args.model, dtype=args.dtype)
     if tok is None:  # a tiny model: seeded random ids, as long as the prompts' word counts
         import torch
 
@@ -213,20 +218,24 @@ def cmd_audit(args) -> int:
     else:
         ids = _encode(items, tok, chat=True)
     if args.draft_model:
-        draft = models.resolve(args.draft_model)[0]
+        draft = models.resolve(args.draft_model, dtype=args.dtype)[0]
         factory, dname = (lambda: drafters.ModelDrafter(draft)), f"model {args.draft_model}"
     else:
         factory, dname = drafters.NGramDrafter, "ngram"
     name = args.model or models.DEFAULT_MODEL_NAME
     report = audit.Report(name, len(ids), {"batch_size": args.batch_size, "k": args.k,
-                                           "max_new_tokens": args.max_new_tokens, "drafter": dname})
-    bar = tqdm(total=len(engines) + 1, desc="audit", file=sys.stderr) if tqdm else None
+                                           "max_new_tokens": args.max_new_tokens, "drafter": dname,
+                                           "policy": args.policy})
+    once = sum(e in audit.distribution_names() for e in engines)  # distribution tests
+    steps = (len(engines) - once) * -(-len(ids) // args.batch_size) + once + 1  # + reference
+    bar = tqdm(total=steps, desc="audit", file=sys.stderr) if tqdm else None
     t0 = time.perf_counter()
     try:
         audit.run_audit(target, tok, ids, model_name=name, engines=engines,
                         batch_size=args.batch_size, k=args.k, max_new_tokens=args.max_new_tokens,
                         drafter_factory=factory, drafter_name=dname,
-                        progress=bar.update if bar else None, report=report, sampling=sampling)
+                        progress=bar.update if bar else None, report=report, sampling=sampling,
+                        policy=args.policy)
     except KeyboardInterrupt:
         report.interrupted = True
     finally:

@@ -44,12 +44,24 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """Drafts with a smaller causal LM sharing the target's vocabulary: greedily, or by the
-    run's sampling rule (``propose_sampled``)."""
+    run's sampling rule (``propose_sampled``).
+
+    Evidence for the adaptive policy (``specdec.policy``): its own probability for each
+    draft of the latest step, in classes ``CONFIDENCE_EDGES`` (a slot it did not draft
+    then is the last class, "unknown"). The policy uses it for the next step's slots:
+    the drafts of the next step are not known before its width is, so this is the
+    evidence available without another host read. A sampling run's evidence is the
+    draft model's probability of the token it drew, at the run's temperature.
+    """
 
     uses_cache = True
+    #: probability classes of the evidence: below 0.4, 0.7, 0.9, at least 0.9; unknown
+    CONFIDENCE_EDGES = (0.4, 0.7, 0.9)
+    evidence_prior = (0.2, 0.45, 0.7, 0.85, 0.5)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.confidence = None  # [B, k] float: probability of each draft of the latest step
 
     def check_compatible(self, target: torch.nn.Module) -> None:
         from .models import vocab_size
@@ -91,7 +103,7 @@ class ModelDrafter:
         # positions of the mask columns, needed only for a sliding window over holes
         kpos = batch.positions[:, : w - 1] if batch.holes and \
             cache_mod.sliding_window(self.model) is not None else None
-        drafts, seen = [], []
+        drafts, conf, seen = [], [], []
         for i in range(k + 1):  # k + 1 sequential one-token forwards (see module docstring)
             mask = torch.cat([mask, ones], dim=1)
             pos = layout.verify_position(batch.lengths, i)[:, None]
@@ -101,62 +113,127 @@ class ModelDrafter:
             if sampling is not None:
                 seen.append(logits)
             if i < k:
-                token = (logits.argmax(-1) if sampling is None else
-                         draft_choice(logits, sampling, batch.row_ids, batch.generated + i))[:, None]
+                if sampling is None:
+                    top = logits.float().softmax(-1).max(-1, keepdim=True)
+                    token, prob = top.indices, top.values
+                else:
+                    token = draft_choice(logits, sampling, batch.row_ids, batch.generated + i)[:, None]
+                    prob = (logits.float() / sampling.temperature).softmax(-1).gather(-1, token)
                 drafts.append(token)
-        out = torch.cat(drafts, dim=1) if drafts else torch.zeros(b, 0, dtype=torch.long,
-                                                                   device=batch.device)
-        return out, (torch.stack(seen, dim=1) if sampling is not None else None)
+                conf.append(prob)
+        seen_logits = torch.stack(seen, dim=1) if sampling is not None else None
+        if not drafts:
+            self.confidence = torch.zeros(b, 0, device=batch.device)
+            return torch.zeros(b, 0, dtype=torch.long, device=batch.device), seen_logits
+        self.confidence = torch.cat(conf, dim=1)
+        return torch.cat(drafts, dim=1), seen_logits
+
+    def evidence(self, batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
+                 k: int) -> torch.Tensor:
+        """[B, k] long: the probability class of each slot's draft at the latest step."""
+        conf = self.confidence
+        b, dev = batch.batch_size, batch.device
+        unknown = len(self.CONFIDENCE_EDGES) + 1
+        out = torch.full((b, k), unknown, dtype=torch.long, device=dev)
+        if conf is None or conf.shape[0] != b or not conf.shape[1]:
+            return out
+        q = min(k, conf.shape[1])
+        cls = sum((conf[:, :q] >= e).long() for e in self.CONFIDENCE_EDGES)
+        out[:, :q] = cls
+        return out
 
 
 class NGramDrafter:
-    """Model-free drafts from n-grams of the row's own prompt and output.
+    """Model-free drafts from the row's own prompt and output (prompt lookup), longest
+    match first.
 
-    For n from ``max_n`` down to ``min_n``: find the latest earlier occurrence of the row's
-    last n tokens and propose the k tokens that followed it (prompt lookup decoding). Rows
-    with no match propose their pending token repeated. Vectorised over rows. A batch with
-    holes is first compacted logically (``RaggedBatch.contiguous_tokens``, an int gather),
-    so that no suffix or match spans a rejected slot.
+    For every earlier position ``s`` of the row, ``L[s]`` is how many tokens before ``s``
+    equal the row's last tokens (its suffix), up to ``max_n``: one comparison of the
+    shifted row per suffix length, over all rows and positions at once (no loop over
+    rows). The longest match wins, the latest among equally long ones, if it is at least
+    ``min_n`` long; the drafts are the tokens that followed it. When that continuation
+    reaches the row's end, it continues periodically with period ``W - s`` (a row caught
+    in a repetition loop is drafted the loop). Rows with no match propose their pending
+    token repeated. A batch with holes is first compacted logically
+    (``RaggedBatch.contiguous_tokens``, an int gather), so that no suffix or match spans
+    a rejected slot.
+
+    Evidence for the adaptive policy (``specdec.policy``), per row: the match length and
+    how often its continuation was seen (how many equally long matches are followed by
+    the same token), as one of ``len(evidence_prior)`` features; ``evidence_prior`` is
+    the acceptance a feature starts from before the policy has measured it.
     """
 
     uses_cache = False
+    #: match-length classes of the evidence: 0, 1, 2, 3-4, 5-7, 8+ tokens
+    LENGTH_EDGES = (1, 2, 3, 5, 8)
+    #: agreement classes: the continuation seen once, twice, three times or more
+    AGREEMENT_CLASSES = 3
+    #: prior acceptance per match-length class (the same for every agreement class)
+    LENGTH_PRIOR = (0.05, 0.3, 0.45, 0.6, 0.7, 0.8)
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    def __init__(self, max_n: int = 8, min_n: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self.evidence_prior = tuple(p for p in self.LENGTH_PRIOR for _ in range(self.AGREEMENT_CLASSES))
 
     def prefill(self, batch: RaggedBatch) -> None:
         pass
 
     @torch.no_grad()
     def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        if k == 0:  # a plain step: nothing to look up
+            return batch.tokens.new_zeros(batch.batch_size, 0)
         tokens, valid = batch.contiguous_tokens()
+        return self.lookup(tokens, valid, k)[0]
+
+    @torch.no_grad()
+    def evidence(self, batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
+                 k: int) -> torch.Tensor:
+        """[B, k] long: the feature of every row's next drafts (the same for each slot),
+        from the row's tokens after this step's commit."""
+        tokens, valid = batch.committed_context(predictions, committed)
+        _, length, agree = self.lookup(tokens, valid, k)
+        cls = sum((length >= e).long() for e in self.LENGTH_EDGES)  # 0 .. len(edges)
+        feature = cls * self.AGREEMENT_CLASSES + (agree - 1).clamp(0, self.AGREEMENT_CLASSES - 1)
+        return feature[:, None].expand(-1, k)
+
+    def lookup(self, tokens: torch.Tensor, valid: torch.Tensor, k: int):
+        """(drafts [B, k] long, match length [B] long (0: none), agreement [B] long) for
+        right-aligned rows ``tokens``/``valid`` [B, W] whose last slot is the pending token."""
         b, w = tokens.shape
         dev = tokens.device
-        pending = tokens[:, w - 1 :]
-        best = pending.expand(b, k).clone()
-        if k == 0:
-            return best
-        found = torch.zeros(b, dtype=torch.bool, device=dev)
-        for n in range(self.max_n, self.min_n - 1, -1):  # a few n-gram sizes, not rows
-            if w - 1 < n:
-                continue
-            # windows[b, s, :] = tokens[b, s : s + n] for starts s in 0 .. w - n - 1
-            windows = tokens[:, : w - 1].unfold(1, n, 1)  # [B, w-n, n]
-            wvalid = valid[:, : w - 1].unfold(1, n, 1).all(dim=2)
-            suffix = tokens[:, w - n :]  # [B, n]
-            hit = (windows == suffix[:, None, :]).all(dim=2) & wvalid  # [B, w - n]
-            hit = hit & valid[:, w - n : w].all(dim=1, keepdim=True)
-            s = torch.arange(hit.shape[1], device=dev)[None, :]
-            last = torch.where(hit, s, -1).max(dim=1).values  # latest match start
-            ok = (last >= 0) & ~found
-            follow = (last + n)[:, None] + torch.arange(k, device=dev)[None, :]
-            follow = follow.clamp(max=w - 1)
-            cand = tokens.gather(1, follow)
-            best = torch.where(ok[:, None], cand, best)
-            found = found | ok
-        return best
+        pending = tokens[:, w - 1]
+        s = torch.arange(1, w, device=dev)  # a continuation may start at slot s (1 .. W-1)
+        n = min(self.max_n, w - 1)
+        if n > 0:
+            # win[b, e, j] = tokens[b, e - (n-1) + j], the n tokens ending at slot e = s - 1
+            # (a sentinel -1 before the row: never a token), against the row's last n
+            lead = tokens.new_full((b, n - 1), -1)
+            win = torch.cat([lead, tokens[:, : w - 1]], dim=1).unfold(1, n, 1)  # [B, W-1, n]
+            vwin = torch.cat([valid.new_zeros(b, n - 1), valid[:, : w - 1]], dim=1).unfold(1, n, 1)
+            eq = (win == tokens[:, None, w - n:]) & vwin & valid[:, None, w - n:]
+            # match length: equal tokens counted back from the end, up to the first mismatch
+            length = eq.flip(-1).long().cummin(dim=-1).values.sum(dim=-1)  # [B, W-1]
+        else:
+            length = torch.zeros(b, w - 1, dtype=torch.long, device=dev)
+        length = torch.where(length >= self.min_n, length, 0)
+        if w > 1:
+            best_len, best = (length * w + s).max(dim=1)  # longest, then latest
+            best_len = best_len // w
+            start = best + 1  # slot of the continuation's first token
+            follows = tokens.gather(1, start[:, None])  # [B, 1]
+            agree = ((length >= best_len[:, None]) & (tokens[:, 1:] == follows)).sum(dim=1)
+        else:
+            best_len = torch.zeros(b, dtype=torch.long, device=dev)
+            start, agree = best_len + (w - 1), best_len
+        found = best_len > 0
+        period = (w - start).clamp(min=1)
+        j = torch.arange(k, device=dev)[None, :]
+        cand = tokens.gather(1, start[:, None] + torch.remainder(j, period[:, None]))
+        drafts = torch.where(found[:, None], cand, pending[:, None])
+        return drafts, best_len, torch.where(found, agree, 0)
 
 
 class ScriptedDrafter:

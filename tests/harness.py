@@ -48,6 +48,11 @@ class Outcome:
     k: int
     budget: int
     stops: list
+    # per step: [B] the rows' draft lengths k_b, the step's drafts (verify width - 1), and
+    # [B] the rows' remaining budgets before the commit
+    draft_lengths: list = None
+    widths: list = None
+    remaining: list = None
 
     def steps(self) -> int:
         """Verify steps run (over all batches)."""
@@ -80,11 +85,17 @@ class Outcome:
 class CommitRecorder:
     def __init__(self):
         self.commits = []
+        self.widths = []
+        self.remaining = []
 
     def __call__(self, phase, view):
         if phase == "commit":
             self.commits.append((view.row_ids.tolist(), view.draft_limit.tolist(),
                                  view.accepted.tolist(), view.committed.tolist()))
+            self.widths.append(view.drafts.shape[1])
+            before = view.generated_before if view.generated_before is not None \
+                else view.generated - view.committed
+            self.remaining.append((view.budgets - before).tolist())
 
 
 def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=None, target=None,
@@ -125,25 +136,53 @@ def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=
         return orig(batch, k)
 
     drafter.propose = propose
+    policy, kbs = forced_policy(case)
     mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
     rec = CommitRecorder()
     strategy = strategy or case.strategy
     with mutants.apply(mutant) if mutant else contextlib.nullcontext():
-        seqs = _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, [mon, rec])
+        seqs = _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, [mon, rec],
+                           policy)
     violations = mon.check()
-    return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops)
+    return Outcome(seqs, ref, forced, rec.commits, violations, case.k, case.budget, stops,
+                   kbs, rec.widths, rec.remaining)
 
 
-def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hooks):
+#: ``run_case(known_bad=NAIVE)``: the known-bad engines' shared loop without a defect
+NAIVE = "naive"
+
+
+def forced_policy(case: Case):
+    """A ForcedPolicy with the case's draft lengths (every row k when it has none), and
+    the list its ``lengths`` calls append each step's [B] k_b to."""
+    from specdec.policy import ForcedPolicy
+
+    pattern = case.draft_lengths or [[case.k]] * case.rows
+    policy = ForcedPolicy(pattern)
+    kbs: list = []
+    orig = policy.lengths
+
+    def lengths(batch, k_step):
+        out = orig(batch, k_step)
+        kbs.append(out.tolist())
+        return out
+
+    policy.lengths = lengths
+    return policy, kbs
+
+
+def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hooks, policy):
     import specdec
 
     if known_bad is None:
         return specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
                                 batch_size=case.batch_size, max_new_tokens=case.budget,
-                                stop_token_ids=stops, hooks=hooks, sampling=case.sampling).sequences
+                                stop_token_ids=stops, hooks=hooks, policy=policy,
+                                sampling=case.sampling).sequences
     from specdec.forensics.known_bad import generate_known_bad
 
-    seqs, _ = generate_known_bad(known_bad, target, prompts, drafter=drafter, k=case.k,
+    fault = None if known_bad == NAIVE else known_bad
+    seqs, _ = generate_known_bad(fault, target, prompts, drafter=drafter, k=case.k,
                                  max_new_tokens=case.budget, stop_token_ids=stops, hooks=hooks,
                                  batch_size=case.batch_size)
     return seqs
@@ -163,6 +202,15 @@ def outcome_failures(o: Outcome) -> list[str]:
                 bad.append(f"accepted {a} != forced min({f}, {lim})")
             if not 1 <= c <= o.k + 1:
                 bad.append(f"committed {c} outside [1, k+1]")
+    for kb, width, (rows, limit, _, com), rem in zip(o.draft_lengths or [], o.widths or [],
+                                                      o.commits, o.remaining or []):
+        if width != max(kb):
+            bad.append(f"verify drafts {width} != max k_b {max(kb)}")
+        for k_b, lim, c, r in zip(kb, limit, com, rem):
+            if lim != max(0, min(k_b, r - 1)):
+                bad.append(f"draft limit {lim} != min(k_b {k_b}, remaining {r} - 1)")
+            if c > k_b + 1:
+                bad.append(f"committed {c} > k_b {k_b} + 1")
     for s in o.sequences:
         if len(s) > o.budget:
             bad.append("budget exceeded")

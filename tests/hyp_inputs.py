@@ -38,6 +38,34 @@ def acceptance_patterns(draw, rows: int, k: int, steps: int):
     return [shape_pattern(kind, r, rows, k, steps, drawn[r]) for r in range(rows)]
 
 
+#: per-row draft-length patterns (k_b per request and step; ``specdec.policy.ForcedPolicy``)
+LENGTH_KINDS = ("all_k", "all_zero", "one_drafting", "alternating", "staircase", "random")
+
+
+def shape_lengths(kind: str, row: int, k: int, steps: int, drawn: list) -> list:
+    """Row ``row``'s draft length k_b per step under pattern ``kind`` (``drawn``: the row's
+    own random lengths, used by "random")."""
+    if kind == "all_k":
+        return [k] * steps  # every row drafts k: the fixed policy's steps
+    if kind == "all_zero":
+        return [0] * steps  # no row drafts: plain decode steps of width 1
+    if kind == "one_drafting":
+        return [k if row == 0 else 0] * steps  # one row sets the width, the rest ride along
+    if kind == "alternating":
+        return [(k if (row + s) % 2 else 0) for s in range(steps)]
+    if kind == "staircase":
+        return [min(k, (row + s) % (k + 1)) for s in range(steps)]
+    return [min(x, k) for x in drawn]
+
+
+@st.composite
+def draft_lengths(draw, rows: int, k: int, steps: int):
+    """Per row, per step, the draft length k_b in [0, k] the policy must use."""
+    kind = draw(st.sampled_from(LENGTH_KINDS))
+    drawn = [draw(st.lists(st.integers(0, k), min_size=1, max_size=steps)) for _ in range(rows)]
+    return [shape_lengths(kind, r, k, steps, drawn[r]) for r in range(rows)]
+
+
 def prompt_length(context: int, budget: int, shortest: int = 1):
     """A prompt length from ``shortest`` tokens to near the context limit (prompt + budget
     <= context), mostly short so that batches mix short and long rows."""
@@ -75,6 +103,8 @@ class Case:
     seed: int = 0
     note: dict = field(default_factory=dict)
     strategy: str = "eqspec"
+    # per row, per step: the draft length k_b (ForcedPolicy); None: every row drafts k
+    draft_lengths: list | None = None
     vocab: int | None = None  # prompt ids are drawn below it (None: the tiny vocabulary)
     sampling: object = None
 
@@ -87,21 +117,24 @@ class Case:
 def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3"),
           max_rows: int = 16, max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
           strategies=None, shortest: int = 1, vocab: int | None = None, sampled: bool = False):
-    """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts)
-    so that shrinking deletes whole rows; the pattern kind shapes every row's counts.
-    ``shortest``: the shortest prompt (past a sliding window, for instance); ``vocab``:
-    prompt ids are drawn below it (default: the tiny models' vocabulary); ``sampled``: greedy
-    or coupled sampling (``samplings``), shrinking toward greedy."""
+    """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts,
+    own draft lengths) so that shrinking deletes whole rows; the pattern kinds shape every
+    row's counts and lengths. ``shortest``: the shortest prompt (past a sliding window, for
+    instance); ``vocab``: prompt ids are drawn below it (default: the tiny models' vocabulary);
+    ``sampled``: greedy or coupled sampling (``samplings``), shrinking toward greedy."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
     kind = draw(st.sampled_from(PATTERN_KINDS))
+    length_kind = draw(st.sampled_from(LENGTH_KINDS))
     row = st.tuples(prompt_length(context, budget, shortest),
+                    st.lists(st.integers(0, k), min_size=1, max_size=budget),
                     st.lists(st.integers(0, k), min_size=1, max_size=budget))
     drawn = draw(st.lists(row, min_size=1, max_size=max_rows))
     rows = len(drawn)
-    lengths = [length for length, _ in drawn]
-    pattern = [shape_pattern(kind, r, rows, k, budget, counts) for r, (_, counts) in enumerate(drawn)]
+    lengths = [length for length, _, _ in drawn]
+    pattern = [shape_pattern(kind, r, rows, k, budget, counts) for r, (_, counts, _) in enumerate(drawn)]
+    kbs = [shape_lengths(length_kind, r, k, budget, own) for r, (_, _, own) in enumerate(drawn)]
     # drawn independently of the row count (then capped) so that deleting a row while
     # shrinking never invalidates the batch size
     batch_size = min(draw(st.integers(1, max_rows)), rows)
@@ -113,5 +146,6 @@ def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3")
         strategies = names()
     strategy = draw(st.sampled_from(strategies))
     sampling = draw(st.one_of(st.none(), samplings())) if sampled else None
-    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed, note={"kind": kind},
-                strategy=strategy, vocab=vocab, sampling=sampling)
+    return Case(family, lengths, budget, k, batch_size, pattern, stop, seed,
+                note={"kind": kind, "lengths": length_kind}, strategy=strategy, draft_lengths=kbs,
+                vocab=vocab, sampling=sampling)

@@ -15,17 +15,20 @@ KEYS = {"name", "expected_correct", "tokens_per_s", "speedup_vs_standard", "acce
 def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
     out = tmp_path / "audit"
     rc = cli.main(["audit", "--model", "tiny:llama", "--limit", "6", "--max-new-tokens", "8",
-                   "--engines", "standard", "eqspec", "exspec", "holes", "implicit_positions",
-                   "mask_all_ones", "accept_first_mismatch", "--out", str(out)])
+                   "--engines", "standard", "hf_generate", "eqspec", "exspec", "holes",
+                   "implicit_positions", "mask_all_ones", "accept_first_mismatch",
+                   "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "implicit_positions" in printed and "first violation" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["model"] == "tiny:llama" and report["prompts"] == 6
+    assert report["settings"]["dtype"] == "float32"
+    assert report["settings"]["oracle"].startswith("calibrated")  # no fixed tolerance
     engines = {e["name"]: e for e in report["engines"]}
     for e in engines.values():
         assert KEYS <= set(e) and 0.0 <= e["exact_match"] <= 1.0
-    for name in ("standard", "eqspec", "exspec", "holes"):
+    for name in ("standard", "hf_generate", "eqspec", "exspec", "holes"):
         e = engines[name]
         assert e["expected_correct"] and e["exact_match"] == 1.0
         assert e["desyncs"] == 0 and e["violations"] == 0
@@ -41,6 +44,47 @@ def test_audit_writes_the_report_and_flags_known_bad_engines(tmp_path, capsys):
 def test_audit_refuses_unknown_engines(capsys):
     assert cli.main(["audit", "--model", "tiny:llama", "--limit", "2", "--engines", "warp"]) == 2
     assert "unknown engines ['warp']" in capsys.readouterr().err
+
+
+def test_audit_runs_in_the_dtype_asked_and_says_so(tmp_path, capsys):
+    out = tmp_path / "audit"
+    rc = cli.main(["audit", "--model", "tiny:gpt2", "--dtype", "bfloat16", "--limit", "4",
+                   "--max-new-tokens", "6", "--engines", "standard", "hf_generate", "holes",
+                   "crop_to_batch_min", "--out", str(out)])
+    assert rc == 0
+    assert "(bfloat16)" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["dtype"] == "bfloat16"
+    for e in report["engines"]:
+        if e["expected_correct"]:
+            assert e["desyncs"] == 0 and e["violations"] == 0
+            assert all(r["classification"] == "near-tie" for r in e["divergences"])
+
+
+def test_audit_interleaves_the_engines_batch_by_batch_and_reports_the_spread(monkeypatch):
+    from specdec import models
+    from specdec.forensics import audit
+
+    order = []
+    orig = audit._EngineRun.run_batch
+
+    def spy(self, target, prompts, rows, **kw):
+        order.append((rows[0], self.name))
+        return orig(self, target, prompts, rows, **kw)
+
+    monkeypatch.setattr(audit._EngineRun, "run_batch", spy)
+    target = models.tiny("llama")
+    ids = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    engines = ["standard", "eqspec", "holes"]
+    report = audit.run_audit(target, None, ids, engines=engines, batch_size=2, max_new_tokens=4)
+    # batch-major, the order rotating: every engine ran a batch before any ran the next
+    assert [r for r, _ in order] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    assert [n for _, n in order[3:6]] == ["eqspec", "holes", "standard"]
+    for e in report.engines:
+        assert len(e.batch_tokens_per_s) == 3 and e.exact_match == 1.0
+        lo, hi = e.speedup_spread
+        assert 0 < lo <= hi
+    assert report.engines[0].speedup_spread == [1.0, 1.0]
 
 
 @pytest.mark.real

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def throughput():
     spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["throughput"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -29,7 +31,8 @@ def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_pat
     rows = data["rows"]
     got = {(r["strategy"], r["batch_size"]) for r in rows}
     assert got == {(s, b) for s in ("standard", "eqspec", "holes", "exspec") for b in (1, 3)}
-    assert all(r["exact_match"] == 1.0 for r in rows)
+    assert all(r["exact_match"] == 1.0 and r["near_ties"] == r["desyncs"] == 0 for r in rows)
+    assert data["meta"]["dtype"] == "float32" and "calibrated" in data["meta"]["oracle"]
     for r in rows:
         if r["strategy"] != "standard":
             assert sum(r["phase_shares"].values()) == pytest.approx(1.0)
@@ -49,6 +52,35 @@ def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_pat
     # the summary can be recomputed from the saved file alone
     assert throughput.main(["--from-json", str(tmp_path / "results.json")]) == 0
     assert f"batch   3: {summary[1]['best']}" in capsys.readouterr().out
+
+
+def test_benchmark_reads_specbench_jsonl_and_reports_per_kind(throughput, tmp_path, capsys):
+    """``--prompts FILE.jsonl`` (SpecBench's form: the category is the kind), ``--kinds``
+    picks kinds, and every kind gets tokens/s, the ratio to standard decoding of the same
+    kind, acceptance and mean k_b per policy (fixed: every row drafts k while its budget
+    allows)."""
+    argv = ["--model", "tiny:llama", "--prompts", str(ROOT / "benchmarks" / "specbench_sample.jsonl"),
+            "--kinds", "translation", "rag", "--max-new-tokens", "6", "--batch-sizes", "8",
+            "--drafters", "scripted:0.9", "--policies", "adaptive", "fixed", "--k", "3",
+            "--out", str(tmp_path)]
+    assert throughput.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["kinds"] == {"translation": 8, "rag": 8}
+    by_kind = {(r["kind"], r["engine"]): r for r in data["by_kind"]}
+    assert {k for k, _ in by_kind} == {"translation", "rag"}
+    for (kind, name), r in by_kind.items():
+        assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0 and r["vs_standard"] > 0
+        if name == "standard":
+            assert r["vs_standard"] == 1.0 and r["acceptance"] is None
+        else:
+            assert 0 <= r["acceptance"] <= 1 and 0 <= r["mean_draft_length"] <= 3
+    assert {name for _, name in by_kind} == {"standard", "eqspec/adaptive", "eqspec/fixed"}
+    # fixed: k drafts per row-step except where the budget (6 tokens) cuts the last ones
+    assert all(r["mean_draft_length"] > 2 for (_, n), r in by_kind.items() if n == "eqspec/fixed")
+    out = capsys.readouterr().out
+    assert "per prompt kind" in out and "translation" in out and "mean kb" in out
+    with pytest.raises(SystemExit, match="not there: \\['poetry'\\]"):
+        throughput.main([*argv[:4], "--kinds", "poetry"])
 
 
 def test_validation_overhead_runs_every_configuration_exactly(tmp_path, capsys):

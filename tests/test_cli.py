@@ -89,6 +89,20 @@ def test_generate_passes_strategy_options(capsys):
         assert [json.loads(l)["ids"] for l in capsys.readouterr().out.splitlines()] == ref
 
 
+def test_generate_passes_the_draft_length_policy(monkeypatch, capsys):
+    from specdec import engine
+
+    prompts = random_prompts((4, 11, 7), models.TINY_VOCAB, seed=4)
+    ref = specdec.reference_generate(models.tiny("llama"), prompts, max_new_tokens=5)
+    seen, orig = [], engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **kw: seen.append(kw["policy"]) or orig(*a, **kw))
+    for extra in ([], ["--policy", "fixed"]):
+        cli.main(["generate", "--model", "tiny:llama", "--max-new-tokens", "5", "--batch-size", "2",
+                  *extra, *[" ".join(map(str, p)) for p in prompts]])
+        assert [json.loads(l)["ids"] for l in capsys.readouterr().out.splitlines()] == ref
+    assert seen == ["adaptive", "fixed"]
+
+
 def test_generate_states_the_rule_for_bad_options(capsys):
     args = ["generate", "--model", "tiny:llama", "--batch-size", "4", "5 6 7"]
     assert cli.main([*args, "--strategy", "exspec", "--window", "2"]) == 2
@@ -137,7 +151,7 @@ CLI_ERRORS = [
     ("generate-option-of-another", ["generate", *TINY, "--window", "4", "5"], "window= applies to strategy='exspec' only, not 'eqspec'", True),
     ("audit-prompts-missing", ["audit", *TINY, "--prompts", "{missing}"], "prompt file {missing} does not exist", True),
     ("audit-prompts-malformed", ["audit", *TINY, "--prompts", "{malformed}"], "not valid JSON", True),
-    ("audit-engines-unknown", ["audit", *TINY, "--engines", "nosuch"], "unknown engines ['nosuch']; choose from standard, eqspec", True),
+    ("audit-engines-unknown", ["audit", *TINY, "--engines", "nosuch"], "unknown engines ['nosuch']; choose from standard, hf_generate, eqspec", True),
     ("audit-k-negative", ["audit", *TINY, "--k", "-1"], "k (drafts per step) must be an integer >= 0, got -1", True),
     ("audit-batch-zero", ["audit", *TINY, "--batch-size", "0"], "batch size must be an integer >= 1, got 0", True),
     ("audit-out-is-a-file", ["audit", *TINY, "--out", "/etc/passwd"], "--out /etc/passwd exists and is not a directory", True),

@@ -132,10 +132,10 @@ def test_budget_never_exceeded_and_draft_length_clipped_per_row():
     rec = AcceptedRecorder()
     limits = []
     res = specdec.generate(target, prompts, drafter=drafters.ScriptedDrafter(ref), k=8,
-                           batch_size=8, max_new_tokens=NEW,
+                           batch_size=8, max_new_tokens=NEW, policy="fixed",
                            hooks=[rec, lambda ph, v: limits.append((v.draft_limit.clone(), v.budgets - v.generated)) if ph == "draft" else None])
     assert all(len(s) <= NEW for s in res.sequences)
-    for limit, remaining in limits:
+    for limit, remaining in limits:  # every row drafts k = 8 (fixed): min(8, remaining - 1)
         assert torch.equal(limit, torch.clamp(remaining - 1, 0, 8))
 
 

@@ -42,6 +42,14 @@ def test_the_option_chooses_the_mode_of_the_fixtures(pytester):
     pytester.runpytest_inprocess("--invariants=fast", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
+def test_the_fixture_monitor_judges_outputs_by_the_calibrated_rule(pytester):
+    pytester.makepyfile("""
+        def test_rule(invariants_monitor):
+            assert invariants_monitor.near_tie_tolerance is None  # no fixed tolerance
+    """)
+    pytester.runpytest_inprocess("--invariants=deep", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
 def test_the_default_mode_is_strict_unless_the_environment_says(pytester, monkeypatch):
     pytester.makepyfile("""
         import os

@@ -56,7 +56,7 @@ def test_unknown_model_names_list_the_known_ones(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         models.resolve(str(tmp_path))
 
-    def offline(name):
+    def offline(name, dtype=None):
         raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}.\nMore text")
     monkeypatch.setattr(models, "load", offline)
     with pytest.raises(ValueError, match=r"unknown model 'nosuch': not a local directory, and the "

@@ -1,9 +1,11 @@
-"""Adversarial properties: forced acceptance patterns, mixed prompts, budgets and stops.
+"""Adversarial properties: forced acceptance patterns, forced per-row draft lengths, mixed
+prompts, budgets and stops.
 
 Each test states one property over ``cases()`` (tests/hyp_inputs.py); the engine runs with
-a ForcingDrafter under a strict Monitor. Cases decode greedily or by coupled sampling
-(drawn; the reference is then plain coupled sampling): every property holds for both.
-Profiles: HYPOTHESIS_PROFILE=ci|dev|thorough.
+a ForcingDrafter (the accepted counts) and a ForcedPolicy (every row's draft length k_b at
+every step) under a strict Monitor. Cases decode greedily or by coupled sampling (drawn; the
+reference is then plain coupled sampling): every property holds for both. Profiles:
+HYPOTHESIS_PROFILE=ci|dev|thorough.
 """
 
 from __future__ import annotations
@@ -52,6 +54,31 @@ def test_one_to_k_plus_one_tokens_committed_per_row_and_step(case):
     explain(case, o)
     for _, _, _, committed in o.commits:
         assert all(1 <= c <= case.k + 1 for c in committed)
+
+
+@given(CASES)
+def test_a_row_commits_at_most_its_own_draft_length_plus_one(case):
+    o = run_case(case)
+    explain(case, o)
+    for kb, (_, _, _, committed) in zip(o.draft_lengths, o.commits):
+        assert all(c <= k_b + 1 for c, k_b in zip(committed, kb))
+
+
+@given(CASES)
+def test_verify_width_is_the_longest_draft_length_plus_one(case):
+    o = run_case(case)
+    explain(case, o)
+    assert len(o.widths) == len(o.draft_lengths) == o.steps()
+    for kb, width in zip(o.draft_lengths, o.widths):
+        assert width == max(kb)  # so a step where no row drafts is a plain step (width 1)
+
+
+@given(CASES)
+def test_draft_limit_is_own_length_cut_by_the_budget(case):
+    o = run_case(case)
+    explain(case, o)
+    for kb, (_, limit, _, _), rem in zip(o.draft_lengths, o.commits, o.remaining):
+        assert limit == [max(0, min(k_b, r - 1)) for k_b, r in zip(kb, rem)]
 
 
 @given(CASES)

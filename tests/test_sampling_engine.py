@@ -96,12 +96,14 @@ def test_rejection_sampling_keeps_every_step_invariant(w):
 
 def test_rejection_output_depends_on_the_request_not_on_batch_or_strategy():
     """Counter-based noise keyed by (seed, request, position): rows never share noise, so
-    the batch size and the strategy's schedule change nothing (same drafter and k)."""
+    the batch size and the strategy's schedule change nothing (same drafter, k and draft
+    lengths: the fixed policy; the adaptive one chooses lengths from measured step costs)."""
     target, draft = tiny_pair("llama")
     prompts = random_prompts((1, 60, 7, 33, 2, 18, 45, 12), models.TINY_VOCAB)
     s = Sampling(temperature=0.9, top_p=0.9, seed=11, mode="rejection")
     runs = [specdec.generate(target, prompts, drafter=drafters.ModelDrafter(draft), strategy=st_,
-                             k=3, batch_size=b, max_new_tokens=16, sampling=s).sequences
+                             k=3, batch_size=b, max_new_tokens=16, sampling=s,
+                             policy="fixed").sequences
             for st_, b in (("eqspec", 1), ("eqspec", 8), ("exspec", 3), ("holes", 5))]
     assert all(r == runs[0] for r in runs[1:])
     k0 = specdec.generate(target, prompts, k=0, max_new_tokens=16, sampling=s).sequences
@@ -197,6 +199,21 @@ def test_rejection_sampling_passes_the_distribution_test(s, config, strategy, dr
     print(out.describe())
     assert out.passed, out.describe()
     assert out.df >= 3 and 0.05 < out.acceptance < 0.95, out.describe()  # a test with teeth
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "ragged"])
+def test_rejection_sampling_with_per_row_draft_lengths_passes_the_distribution_test(policy):
+    """Rows drafting different lengths k_b in one step (forced ragged: 0, 1 or 2 per row
+    and step) or as the adaptive policy chooses: a row's last usable draft is followed by
+    the bonus position of the verify forward, and the output is still a sample of p."""
+    from specdec.policy import ForcedPolicy
+
+    if policy == "ragged":
+        policy = ForcedPolicy([[(r + j) % 3 for j in range(4)] for r in range(CONFIG.samples)])
+    out = distribution.run(Sampling(temperature=1.0, seed=6, mode="rejection"), drafter="model",
+                           config=CONFIG, policy=policy)
+    print(out.describe())
+    assert out.passed and out.df >= 3, out.describe()
 
 
 def test_the_q_zero_configurations_have_q_zero_where_p_is_not():

@@ -219,19 +219,26 @@ def test_holes_capacity_compaction_when_the_cache_is_full(monkeypatch):
 
 def test_holes_ngram_drafts_ignore_holes():
     """The n-gram drafter sees each row compacted: it proposes what it proposes under
-    EQSPEC, step for step (same acceptance counts)."""
+    EQSPEC, step for step (same acceptance counts), with every row drafting k and with
+    forced per-row draft lengths (the adaptive policy's lengths depend on step timings,
+    so two runs need not step alike)."""
+    from specdec.policy import ForcedPolicy
+
     target, _ = tiny_pair("gpt2")
     prompts, ref = reference("gpt2")
-    got = {}
-    for strategy, kw in (("eqspec", {}), ("holes", {"hole_threshold": 1.0})):
-        hist = []
-        res = specdec.generate(target, prompts, drafter=drafters.NGramDrafter(), k=4,
-                               batch_size=8, max_new_tokens=NEW, strategy=strategy,
-                               hooks=[lambda ph, v: hist.append(v.drafts.tolist())
-                                      if ph == "draft" else None], **kw)
-        assert res.sequences == ref
-        got[strategy] = (hist, res.stats.accepted)
-    assert got["holes"] == got["eqspec"] and got["eqspec"][1] > 0
+    ragged = [[(r + s) % 5 for s in range(NEW)] for r in range(len(prompts))]  # k_b 0..4
+    for policy in (lambda: "fixed", lambda: ForcedPolicy(ragged)):
+        got = {}
+        for strategy, kw in (("eqspec", {}), ("holes", {"hole_threshold": 1.0})):
+            hist = []
+            res = specdec.generate(target, prompts, drafter=drafters.NGramDrafter(), k=4,
+                                   batch_size=8, max_new_tokens=NEW, strategy=strategy,
+                                   policy=policy(),
+                                   hooks=[lambda ph, v: hist.append(v.drafts.tolist())
+                                          if ph == "draft" else None], **kw)
+            assert res.sequences == ref
+            got[strategy] = (hist, res.stats.accepted)
+        assert got["holes"] == got["eqspec"] and got["eqspec"][1] > 0
 
 
 class WindowHoles:

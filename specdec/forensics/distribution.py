@@ -169,11 +169,13 @@ def continuation_counts(sequences, vocab: int, steps: int) -> torch.Tensor:
 
 
 def run(sampling, *, drafter: str = "model", strategy: str = "eqspec", fault: str | None = None,
-        config: Config = Config(), hooks=(), engine: str | None = None) -> Outcome:
+        config: Config = Config(), hooks=(), engine: str | None = None,
+        policy="fixed") -> Outcome:
     """Sample ``config.samples`` continuations with the speculative engine (``drafter``:
     "model" (the draft model), "ngram" or "none" (k = 0: plain sampling by the engine);
     ``fault``: a name of ``sampling_faults.FAULTS`` or None) and test them against the
-    exact distribution."""
+    exact distribution. ``policy``: the draft-length policy (default "fixed": every step
+    drafts k, so the acceptance path the known-bad faults break runs at every step)."""
     import specdec
     from .. import drafters
     from .sampling_faults import apply
@@ -189,7 +191,8 @@ def run(sampling, *, drafter: str = "model", strategy: str = "eqspec", fault: st
         res = specdec.generate(target, prompts, drafter=make[drafter](), strategy=strategy,
                                k=0 if drafter == "none" else config.k,
                                batch_size=config.batch_size, max_new_tokens=config.new_tokens,
-                               stop_token_ids=[], hooks=list(hooks), sampling=sampling)
+                               stop_token_ids=[], hooks=list(hooks), sampling=sampling,
+                               policy=policy)
     seconds = time.perf_counter() - t0
     counts = continuation_counts(res.sequences, config.vocab, config.new_tokens)
     probs = exact_distribution(target, config.prompt, config.new_tokens, sampling)

@@ -36,11 +36,14 @@ def plan(lengths: torch.Tensor, committed: torch.Tensor, old_width: int, new_wid
 
 
 def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
-            leaving: RowsLeaving | None, new_width: int, k: int) -> RaggedBatch:
+            leaving: RowsLeaving | None, new_width: int, k: int,
+            identity: bool = False) -> RaggedBatch:
     """Drop the finished rows (``leaving``: their renumbering, None when none finished)
     and right-align the rest at ``new_width``.
 
-    predictions: [B, k+1] long; committed: [B] long.
+    predictions: [B, k+1] long; committed: [B] long. ``identity``: the host knows that
+    every row that stays has source shift 0 (``layout.realign_is_identity``), so each
+    cache is cropped instead of gathered (the plan keeps every slot where it is).
     Mutates the caches in place and returns the new batch (``B'`` rows, in
     ``leaving.order``).
     """
@@ -57,7 +60,10 @@ def realign(batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tens
             continue
         if leaving is not None:  # finished rows leave: only the rows filling their places move
             c.keep_rows(leaving.moved_to, leaving.moved_from, leaving.kept)
-        c.gather_slots(src_cache)
+        if identity:
+            c.crop(src_cache.shape[1])
+        else:
+            c.gather_slots(src_cache)
     return kept.replace(tokens=tokens, valid=valid, positions=positions,
                         lengths=layout.new_length(kept.lengths, committed))
 
@@ -75,7 +81,10 @@ class EqSpec(FixedBatches):
     def after_step(self, ctx, state, batch: RaggedBatch, spec, host) -> RaggedBatch:
         """Drop the finished rows and right-align the rest at the new minimal width."""
         leaving = rows_leaving(batch.finished, host.finished)
-        return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, ctx.k)
+        identity = all(layout.realign_is_identity(batch.width, host.max_n, m)
+                       for m, f in zip(host.committed, host.finished) if not f)
+        return realign(batch, spec.predictions, spec.committed, leaving, host.max_n, spec.k,
+                       identity)
 
 
 STRATEGY = EqSpec()

@@ -69,7 +69,7 @@ import torch
 from .. import cache as cache_mod
 from .. import layout, validation
 from ..batch import PAD_FILL, RaggedBatch, host_rows, take_rows
-from ..phases import emit, prefill, retire, speculate, sync, timed
+from ..phases import StepCost, emit, prefill, retire, speculate, sync, timed
 from . import Option, Strategy
 
 #: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
@@ -98,6 +98,7 @@ class Pool:
         # host state per pool row
         self.rid = [-1] * size       # request served, -1 when free
         self.n = [0] * size          # its length (prompt + committed)
+        self.kb = [0] * size         # its draft length k_b at its next step
         self.served = [0] * size     # step it was last served or admitted (fairness)
         self.waiting = deque(range(len(prompts)))
         self.finished: list = []
@@ -139,6 +140,8 @@ def admit(ctx, state, pool: Pool) -> None:
         pool.rid[p], pool.n[p], pool.served[p] = r, len(pool.prompts[r]), state.step
     batch = prefill(ctx, state, [pool.prompts[r] for r in reqs], reqs,
                     [pool.budget_list[r] for r in reqs], capacity=lambda w, mb: max(w, 1))
+    for p, kb in zip(rows, state.admitted_lengths):
+        pool.kb[p] = kb
     t = time.perf_counter()
     R = host_rows(rows, batch.device)
     dest = layout.compact_dest_slot(layout.TORCH, batch.valid, batch.positions, 0, pool.trash)
@@ -210,7 +213,7 @@ def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
 def write_back(ctx, state, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> None:
     """Scatter the step's new KV slots, committed tokens and outputs into the pool rows;
     update the host lengths; free the rows that finished."""
-    k, dev = ctx.k, batch.device
+    k, dev = spec.k, batch.device  # this step's drafts (max k_b)
     R = host_rows(rows, dev)
     n = batch.lengths
     i = torch.arange(k + 1, device=dev)[None, :]
@@ -226,6 +229,7 @@ def write_back(ctx, state, pool: Pool, rows: list, batch: RaggedBatch, spec, hos
     pool.output[R] = batch.output
     for b, p in enumerate(rows):
         pool.n[p] += host.committed[b]
+        pool.kb[p] = host.next_lengths[b]
         pool.served[p] = state.step
         if host.finished[b]:
             pool.finished.append(pool.rid[p])
@@ -247,20 +251,23 @@ def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: 
     reusable = None
     while pool.active():
         t = time.perf_counter()
+        cost = StepCost(ctx, state)
         rows, grouped, reuse = schedule(pool, batch_size, reusable, state.step)
         batch = build(pool, rows, reuse, tcache, dcache)
         state.profile = PROFILE if grouped else FALLBACK_PROFILE
+        state.draft_k = max(pool.kb[p] for p in rows)  # the step's width: max k_b of its rows
         timed(state, "realign", t)
         emit(ctx, state, "realign", batch)
         spec = speculate(ctx, state, batch)
-        t = time.perf_counter()
         host = sync(ctx, state, batch, spec)
+        t = time.perf_counter()
         state.stats.grouped_steps += int(grouped)
         write_back(ctx, state, pool, rows, batch, spec, host)
         retire(batch, host, done)
         same = len(set(host.committed)) == 1 and not any(host.finished)
         reusable = rows if grouped and same else None
         timed(state, "realign", t)
+        cost.observe(spec.k + 1, len(rows))
         admit(ctx, state, pool)
 
 

@@ -102,7 +102,7 @@ def check_model(model: torch.nn.Module) -> None:
 def after_step(ctx, state, batch: RaggedBatch, spec, host) -> RaggedBatch:
     """Append the step's slots (drafts kept or holed, the new pending token); drop the
     finished rows; compact when the slack passes the threshold or the cache is full."""
-    k, dev = ctx.k, batch.device
+    k, dev = spec.k, batch.device  # this step's drafts (max k_b)
     w = batch.width
     n, m = batch.lengths, spec.committed
     i = torch.arange(k + 1, device=dev)[None, :]

@@ -1,0 +1,314 @@
+"""Per-row draft lengths (``specdec.policy``) and the n-gram drafter that feeds them.
+
+The policies: every row's k_b is in 0..k, the verify width is max k_b + 1 (a step where
+no row drafts is plain decoding), the fixed policy is the behaviour before per-row
+lengths, the adaptive one drafts only where its expected tokens per unit of cost beat a
+plain step and costs no host read. The n-gram drafter: longest match first, over every
+suffix length, equal to a per-row Python statement of the rule, periodic continuation in
+repetition loops, and the evidence it gives after a commit is what it would see at the
+next draft. (Forced per-row patterns under the strict Monitor: tests/test_properties.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import invariants
+import specdec
+from conftest import tiny_pair
+from harness import random_prompts
+from invariants.testing import TransferLog, no_host_transfers
+from specdec import drafters, models, phases, policy
+from specdec.batch import left_pad
+
+K = 4
+NEW = 12
+
+
+def repetitive_prompts():
+    """Prompts that quote themselves (the n-gram drafter finds matches) and one that does not."""
+    base = random_prompts((10,), models.TINY_VOCAB, seed=3)[0]
+    return [base * 3, base[:4] * 5 + base, random_prompts((25,), models.TINY_VOCAB, seed=4)[0], [7, 8]]
+
+
+class Widths:
+    """Hook: per step, the verify's drafts (view.k at verify) and the rows' draft limits."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, phase, view):
+        if phase == "verify":
+            self.steps.append((view.k, view.drafts.shape[1], view.forward.input_ids.shape[1],
+                               view.draft_limit.tolist()))
+
+
+# -- the engine with each policy -------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["eqspec", "exspec", "holes"])
+@pytest.mark.parametrize("chosen", ["adaptive", "fixed"])
+def test_every_policy_is_exact_under_the_strict_monitor(strategy, chosen):
+    target, _ = tiny_pair("llama")
+    prompts = repetitive_prompts()
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=NEW)
+    mon = invariants.Monitor(mode="strict")
+    rec = Widths()
+    res = specdec.generate(target, prompts, k=K, batch_size=3, max_new_tokens=NEW,
+                           strategy=strategy, policy=chosen, hooks=[mon, rec])
+    assert mon.check() == []
+    assert res.sequences == ref
+    for k_view, drafts, inputs, limits in rec.steps:
+        assert drafts == k_view and inputs == k_view + 1  # the verify covers draft_k + 1
+        assert all(0 <= lim <= k_view for lim in limits)
+    if chosen == "fixed":
+        assert set(res.stats.widths) == {K + 1} and res.stats.mean_draft_length == K
+    assert sum(res.stats.widths.values()) == res.stats.steps
+
+
+def test_fixed_policy_is_the_behaviour_before_per_row_lengths():
+    # every row drafts k: the same steps and acceptance as a forced pattern of all k
+    target, _ = tiny_pair("qwen3")
+    prompts = repetitive_prompts()
+    runs = []
+    for chosen in ("fixed", policy.ForcedPolicy([[K]] * len(prompts))):
+        hist = []
+        res = specdec.generate(target, prompts, k=K, batch_size=3, max_new_tokens=NEW,
+                               policy=chosen, hooks=[lambda ph, v: hist.append(
+                                   (v.draft_limit.tolist(), v.accepted.tolist())) if ph == "commit" else None])
+        runs.append((res.sequences, hist, res.stats.steps))
+    assert runs[0] == runs[1]
+
+
+def test_a_step_where_no_row_drafts_is_a_plain_decode_step():
+    target, _ = tiny_pair("llama")
+    prompts = repetitive_prompts()
+    ref = specdec.reference_generate(target, prompts, max_new_tokens=NEW)
+    rec = Widths()
+    res = specdec.generate(target, prompts, k=K, batch_size=4, max_new_tokens=NEW,
+                           policy=policy.ForcedPolicy([[0]] * len(prompts)), hooks=[rec])
+    assert res.sequences == ref
+    assert res.stats.widths == {1: res.stats.steps} and res.stats.drafted == 0
+    assert all(inputs == 1 for _, _, inputs, _ in rec.steps)
+
+
+def test_one_drafting_row_sets_the_width_and_the_others_use_none():
+    target, _ = tiny_pair("llama")
+    prompts = repetitive_prompts()
+    rec = Widths()
+    specdec.generate(target, prompts, k=K, batch_size=4, max_new_tokens=NEW,
+                     policy=policy.ForcedPolicy([[0, 3], [0], [0, 0, 2], [0]]), hooks=[rec])
+    widths = [drafts for _, drafts, _, _ in rec.steps]
+    assert widths[0] == 0 and widths[1] == 3 and widths[2] == 3
+    assert rec.steps[1][3][1:] == [0, 0, 0]  # rows that do not draft may use nothing
+
+
+def test_policies_are_checked_at_the_boundary():
+    target, _ = tiny_pair("llama")
+    with pytest.raises(ValueError, match=r"policy must be one of \('adaptive', 'fixed'\)"):
+        specdec.generate(target, [[5, 6]], max_new_tokens=2, policy="greedy")
+    with pytest.raises(TypeError, match="DraftPolicy methods .* without begin, admit"):
+        specdec.generate(target, [[5, 6]], max_new_tokens=2, policy=object())
+    with pytest.raises(ValueError, match="ForcedPolicy has 1 patterns for 2 prompts"):
+        specdec.generate(target, [[5, 6], [7]], max_new_tokens=2, policy=policy.ForcedPolicy([[1]]))
+
+
+def test_an_adaptive_policy_passed_again_keeps_what_it_learned():
+    target, _ = tiny_pair("llama")
+    prompts = repetitive_prompts()
+    chosen = policy.AdaptivePolicy()
+    specdec.generate(target, prompts, k=K, batch_size=4, max_new_tokens=NEW, policy=chosen)
+    tries = chosen.tries.clone()
+    measured = {b: dict(t) for b, t in chosen.costs.seconds.items()}
+    specdec.generate(target, prompts, k=K, batch_size=4, max_new_tokens=NEW, policy=chosen)
+    assert measured and chosen.tries.sum() >= tries.sum()
+    assert set(chosen.costs.seconds) >= set(measured)
+
+
+# -- the adaptive decision --------------------------------------------------------------------
+
+def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20):
+    """The adaptive plan for rows whose per-slot acceptance is ``acceptance[b]`` (one
+    evidence feature per row), with step costs ``ratios`` (r(w) = ratios[w - 1])."""
+    b = len(acceptance)
+
+    class OneFeaturePerRow:
+        evidence_prior = tuple(acceptance)
+
+        def evidence(self, batch, predictions, committed, k):
+            return torch.arange(b)[:, None].expand(b, k)
+
+    costs = policy.StepCosts()
+    costs.ratios = lambda rows, widths: list(ratios)[:widths]
+    pol = policy.AdaptivePolicy(costs=costs)
+    pol.begin(k, b, torch.device("cpu"))
+    tokens, valid, positions, lengths = left_pad([[5, 6, 7]] * b)
+    from specdec.batch import RaggedBatch
+    from specdec.cache import SlabCache
+
+    z = torch.zeros(b, dtype=torch.long)
+    batch = RaggedBatch(tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+                        prompt_lengths=lengths.clone(), budgets=z + budget, generated=z + 1,
+                        finished=torch.zeros(b, dtype=torch.bool), row_ids=torch.arange(b),
+                        output=torch.zeros(b, budget + k + 1, dtype=torch.long),
+                        target_cache=SlabCache(1, 8))
+    spec = phases.Spec(drafts=torch.zeros(b, 0, dtype=torch.long), limit=z, predictions=z[:, None],
+                       accepted=z, committed=z + 1)
+    drafter = OneFeaturePerRow()
+    pol._prepare(drafter, k, batch.device)
+    pol.tries = pol.tries * 1e6  # the prior is the measured acceptance (no learning here)
+    pol.hits = pol.hits * 1e6
+    return pol.plan(batch, spec, drafter, 0).tolist()
+
+
+def test_rows_draft_only_where_their_expected_tokens_per_cost_beat_a_plain_step():
+    cheap = [1.0, 1.1, 1.2, 1.3, 1.4]  # width is cheap: good rows draft k, bad ones none
+    assert plan_with([0.95, 0.02, 0.9], cheap) == [K, 0, K]
+    dear = [1.0, 2.5, 3.5, 4.5, 5.5]  # every extra token costs more than it can return
+    assert plan_with([0.95, 0.9, 0.99], dear) == [0, 0, 0]
+
+
+def test_the_width_is_chosen_for_the_whole_batch():
+    # one good row cannot pay for a wide step of eight rows at CPU-like costs...
+    cpu = [1.0, 1.7, 2.1, 2.4, 2.6]
+    assert plan_with([0.99] + [0.01] * 7, cpu) == [0] * 8
+    # ...eight of them can, and the width that pays best is taken
+    assert plan_with([0.99] * 8, cpu) == [K] * 8
+    # at a middling acceptance a narrower step pays best
+    two = plan_with([0.6] * 8, [1.0, 1.05, 1.6, 2.4, 3.2])
+    assert set(two) == {1}
+
+
+def test_the_budget_caps_the_expected_tokens():
+    # one token left: no draft can be used, so drafting never pays
+    assert plan_with([0.99, 0.99], [1.0, 1.01, 1.02, 1.03, 1.04], budget=2) == [0, 0]
+
+
+def test_step_costs_interpolate_extrapolate_and_start_from_the_prior():
+    c = policy.StepCosts(slope=0.2)
+    assert c.ratios(8, 3) == pytest.approx([1.0, 1.2, 1.4])  # nothing measured: the prior
+    c.observe(1, 8, 0.30)
+    c.observe(3, 8, 0.60)
+    r = c.ratios(8, 5)
+    assert r[:3] == pytest.approx([1.0, 1.5, 2.0])  # width 2 interpolated
+    assert r[3:] == pytest.approx([2.2, 2.4])  # beyond: the last slope, capped at the prior's
+    c.observe(1, 8, 0.40)  # a moving average
+    assert c.seconds[8][1] == pytest.approx(0.7 * 0.30 + 0.3 * 0.40)
+    assert c.ratios(7, 1) == [1.0] and c.ratios(6, 3)[2] == pytest.approx(0.60 / 0.33)  # nearest B
+
+
+def adaptive_step():
+    """(ctx, state, batch, spec) after the first step's commit, with an AdaptivePolicy."""
+    target, _ = tiny_pair("llama")
+    pol = policy.AdaptivePolicy()
+    pol.begin(K, 2, torch.device("cpu"))
+    ctx = phases.Context(target=target, drafter=drafters.NGramDrafter(), k=K, hooks=(),
+                         stop_ids=torch.tensor([2]), max_position=255, policy=pol)
+    state = phases.State()
+    with torch.no_grad():
+        batch = phases.prefill(ctx, state, [[5, 6, 7, 5, 6], [9, 10]], [0, 1], [8, 8])
+        spec = phases.speculate(ctx, state, batch)
+    return ctx, state, batch, spec
+
+
+def test_the_adaptive_plan_reads_nothing_and_uploads_nothing():
+    # (the forward of a plain step itself reads the mask on the host inside transformers
+    # 5.24, masking_utils._ignore_causal_mask_sdpa at q_length 1; not the policy's doing)
+    ctx, state, batch, spec = adaptive_step()
+    pol = ctx.policy
+    with torch.no_grad():
+        pol.plan(batch, spec, ctx.drafter, spec.k)  # the first plan sets up the statistics
+        spec = phases.speculate(ctx, state, batch)
+        with no_host_transfers():  # no read, no upload, no data-dependent shape
+            pol.plan(batch, spec, ctx.drafter, spec.k)
+            pol.lengths(batch, K)
+
+
+def test_a_clean_adaptive_step_reads_the_host_once():
+    ctx, state, batch, spec = adaptive_step()
+    with TransferLog(raise_on_transfer=False) as log:
+        host = phases.sync(ctx, state, batch, spec)
+    assert log.reads == 1, log.events
+    assert len(host.next_lengths) == 2 and host.next_k == max(host.next_lengths)
+
+
+# -- the n-gram drafter -----------------------------------------------------------------------
+
+def lookup_rule(row: list[int], k: int, max_n: int, min_n: int = 1):
+    """The drafter's rule for one row, stated directly: (drafts, match length, agreement)."""
+    w = len(row)
+    best, best_len = None, 0
+    lengths = {}
+    for s in range(1, w):
+        n = 0
+        while n < max_n and s - 1 - n >= 0 and row[s - 1 - n] == row[w - 1 - n]:
+            n += 1
+        lengths[s] = n if n >= min_n else 0
+        if lengths[s] and lengths[s] >= best_len:
+            best, best_len = s, lengths[s]
+    if best is None:
+        return [row[-1]] * k, 0, 0
+    period = w - best
+    drafts = [row[best + (j % period)] for j in range(k)]
+    agree = sum(1 for s, n in lengths.items() if n >= best_len and row[s] == row[best])
+    return drafts, best_len, agree
+
+
+@given(st.lists(st.lists(st.integers(3, 6), min_size=1, max_size=24), min_size=1, max_size=5),
+       st.integers(0, 6), st.integers(1, 5), st.integers(1, 3))
+def test_ngram_lookup_equals_the_rule_row_by_row(rows, k, max_n, min_n):
+    min_n = min(min_n, max_n)
+    tokens, valid, _, _ = left_pad(rows)
+    d = drafters.NGramDrafter(max_n=max_n, min_n=min_n)
+    drafts, length, agree = d.lookup(tokens, valid, k)
+    for b, row in enumerate(rows):
+        want = lookup_rule(row, k, max_n, min_n)
+        assert (drafts[b].tolist(), int(length[b]), int(agree[b])) == want, (row, want)
+
+
+def test_ngram_prefers_the_longest_match_to_the_latest():
+    # the suffix "1 2 3" occurred once, followed by 9; "3" alone occurred later, followed by 4
+    row = [1, 2, 3, 9, 8, 3, 4, 5, 1, 2, 3]
+    tokens, valid, _, _ = left_pad([row])
+    drafts, length, _ = drafters.NGramDrafter().lookup(tokens, valid, 3)
+    assert drafts[0].tolist() == [9, 8, 3] and int(length[0]) == 3
+
+
+def test_ngram_continues_a_repetition_loop_periodically():
+    row = [7, 8, 5, 6, 5, 6, 5, 6]
+    tokens, valid, _, _ = left_pad([row])
+    drafts, _, agree = drafters.NGramDrafter().lookup(tokens, valid, 5)
+    assert drafts[0].tolist() == [5, 6, 5, 6, 5]
+    assert int(agree[0]) == 1  # the longest match (5 6 5 6 at slots 2..5) was seen once
+
+
+def test_ngram_evidence_after_a_commit_is_what_the_next_draft_sees():
+    # committed_context (before any realignment) equals the realigned batch's tokens, so
+    # the evidence planned after step t describes the drafts proposed at step t + 1
+    target, _ = tiny_pair("llama")
+    prompts = repetitive_prompts()
+    d = drafters.NGramDrafter()
+    seen = {}
+
+    class Spy(policy.ForcedPolicy):
+        def plan(self, batch, spec, drafter, k_step):
+            tokens, valid = batch.committed_context(spec.predictions, spec.committed)
+            seen["next"] = {int(r): drafter.lookup(tokens, valid, K)[0][i].tolist()
+                            for i, r in enumerate(batch.row_ids)}
+            return super().plan(batch, spec, drafter, k_step)
+
+    checked = []
+
+    def at_draft(phase, view):
+        if phase == "prefill":  # a new batch: its first drafts were planned by nobody
+            seen.clear()
+        if phase == "draft" and "next" in seen:
+            for i, r in enumerate(view.row_ids.tolist()):
+                checked.append(view.drafts[i].tolist() == seen["next"][r][: view.k])
+
+    for strategy in ("eqspec", "holes"):
+        specdec.generate(target, prompts, drafter=d, k=K, batch_size=4, max_new_tokens=NEW,
+                         strategy=strategy, policy=Spy([[K]] * len(prompts)), hooks=[at_draft])
+    assert checked and all(checked)
