@@ -36,6 +36,20 @@ colon: ``holes:H`` (hole_threshold H) and ``exspec:N`` (window N). ``--policies`
 draft-length policies (``specdec.policy``) each strategy runs with. ``--hf-lookup N``
 adds Hugging Face ``generate(prompt_lookup_num_tokens=N)`` (greedy; one prompt at a time,
 as HF runs it) at batch size 1. The group column is exspec's group rate.
+
+Decoding modes (``--modes greedy coupled rejection``), a dimension of the configurations
+like the batch size: greedy, and sampling with ``--temperature --top-k --top-p --seed`` in
+coupled or rejection mode. Each mode has its own standard configuration (plain decoding in
+that mode, batched), which its ratios ("vs std") are taken against; "vs grd" is the ratio
+to plain greedy decoding at the same batch size (when greedy runs too). Engines of a
+sampling mode are named ``ENGINE@MODE``. Exact match and the oracle: against batch-1
+greedy decoding (greedy) or batch-1 plain coupled sampling, request indices as in the
+configuration's own call (coupled); rejection sampling has no reference ("-"; its
+distribution is tested by ``specdec.forensics.distribution``). The realign summary is over
+the configurations of the first mode given.
+
+    python benchmarks/throughput.py --modes greedy coupled rejection --temperature 0.7 \
+        --top-k 50 --top-p 0.95 --batch-sizes 8 --drafters ngram scripted:0.6
 """
 
 from __future__ import annotations
@@ -56,11 +70,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
-from specdec import drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec import Sampling, drafters, engine, models, prompts, strategies  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
 
 #: the phases of decode time (prefill aside)
 DECODE_PHASES = ("draft", "verify", "commit", "realign", "checks")
+#: decoding modes (``--modes``)
+MODES = ("greedy", "coupled", "rejection")
 
 
 def corrupt_for_acceptance(reference: list[list[int]], p: float, k: int, vocab: int,
@@ -143,7 +159,7 @@ def load_prompts(arg: str, kinds=None) -> list:
 @dataclass
 class Config:
     """One configuration: standard decoding, a strategy with a drafter and a policy, or
-    Hugging Face prompt lookup."""
+    Hugging Face prompt lookup; in one decoding mode."""
 
     kind: str  # "standard" | "spec" | "hf-lookup"
     batch_size: int
@@ -152,14 +168,17 @@ class Config:
     policy: str | None = None
     lookup: int = 0  # prompt_lookup_num_tokens (hf-lookup)
     show_policy: bool = False  # name the policy (several were given)
+    mode: str = "greedy"  # a name of MODES
+    sampling: Sampling | None = None  # the mode's parameters (None: greedy)
     runs: list = field(default_factory=list)  # per (repeat, kind): measurements
 
     @property
     def engine(self) -> str:
-        """The configuration's name in the tables: strategy[/policy]."""
+        """The configuration's name in the tables: strategy[/policy][@mode]."""
         if self.kind == "hf-lookup":
             return f"hf-lookup:{self.lookup}"
-        return f"{self.strategy}/{self.policy}" if self.show_policy else self.strategy
+        name = f"{self.strategy}/{self.policy}" if self.show_policy else self.strategy
+        return name if self.mode == "greedy" else f"{name}@{self.mode}"
 
 
 def hf_lookup_generate(target, ids: list, max_new_tokens: int, lookup: int, stops: list) -> list:
@@ -185,7 +204,8 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
     t0, c0 = time.perf_counter(), time.process_time()
     stats = None
     if c.kind == "standard":
-        seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size)
+        seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size,
+                                          sampling=c.sampling)
     elif c.kind == "hf-lookup":
         seqs = hf_lookup_generate(target, ids, new, c.lookup, stops)
     else:
@@ -194,18 +214,23 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
         if opts.get("window", c.batch_size) < c.batch_size:
             opts["window"] = c.batch_size
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
-                              batch_size=c.batch_size, max_new_tokens=new, policy=c.policy, **opts)
+                              batch_size=c.batch_size, max_new_tokens=new, policy=c.policy,
+                              sampling=c.sampling, **opts)
         seqs, stats = res.sequences, res.stats
     return seqs, stats, time.perf_counter() - t0, time.process_time() - c0
 
 
 def summarise(configs: list, kinds: list) -> tuple[list, list]:
-    """(overall rows, per-kind rows) from the runs of every configuration."""
-    std = {c.batch_size: c for c in configs if c.kind == "standard"}
+    """(overall rows, per-kind rows) from the runs of every configuration; ratios against
+    standard decoding in the configuration's own mode ("vs_standard") and in greedy
+    decoding ("vs_greedy_standard", wall time)."""
+    std = {(c.mode, c.batch_size): c for c in configs if c.kind == "standard"}
     by_kind, overall = [], []
     for c in configs:
-        base = std.get(c.batch_size)
+        base = std.get((c.mode, c.batch_size))
+        greedy = std.get(("greedy", c.batch_size))
         per_kind = {"seconds": {}, "cpu_seconds": {}}
+        vs_greedy = {}
         for kind in kinds:
             runs = [r for r in c.runs if r["kind"] == kind]
             if not runs:
@@ -213,8 +238,13 @@ def summarise(configs: list, kinds: list) -> tuple[list, list]:
             ratios = {clock: _ratios(runs, base, kind, clock) for clock in per_kind}
             for clock, got in ratios.items():
                 per_kind[clock][kind] = statistics.median(got) if got else None
+            got = _ratios(runs, greedy, kind, "seconds")
+            vs_greedy[kind] = statistics.median(got) if got else None
             by_kind.append(_row(c, kind, runs, ratios))
+            by_kind[-1]["vs_greedy_standard"] = vs_greedy[kind]
         row = _row(c, "all", c.runs, {})
+        known = [v for v in vs_greedy.values() if v]
+        row["vs_greedy_standard"] = geometric_mean(known) if known else None
         for clock, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
             known = [v for v in per_kind[clock].values() if v]
             row["vs_standard" + suffix] = geometric_mean(known) if known else None
@@ -253,8 +283,10 @@ def _row(c: Config, kind: str, runs: list, ratios: dict) -> dict:
         phase_seconds = {p: sum(s["seconds"].get(p, 0.0) for s in stats) for p in stats[0]["seconds"]}
     drafted = sum(s["drafted"] for s in stats)
     row_steps = sum(s["row_steps"] for s in stats)
+    judged = all(r["exact"] is not None for r in runs)  # rejection sampling: no reference
     return {
-        "engine": c.engine, "strategy": c.strategy, "policy": c.policy, "drafter": c.drafter,
+        "engine": c.engine, "mode": c.mode, "strategy": c.strategy, "policy": c.policy,
+        "drafter": c.drafter,
         "batch_size": c.batch_size, "kind": kind, "repeats": len(per_repeat),
         "tokens": tokens, "seconds": seconds,
         "tokens_per_s": statistics.median(rates) if rates else 0.0,
@@ -264,8 +296,10 @@ def _row(c: Config, kind: str, runs: list, ratios: dict) -> dict:
         "vs_standard_spread": [min(wall), max(wall)] if wall else None,
         "vs_standard_cpu": statistics.median(cpu) if cpu else None,
         "vs_standard_cpu_spread": [min(cpu), max(cpu)] if cpu else None,
-        "exact_match": sum(r["exact"] for r in runs) / max(1, sum(r["rows"] for r in runs)),
-        "near_ties": sum(r["near_ties"] for r in runs), "desyncs": sum(r["desyncs"] for r in runs),
+        "exact_match": sum(r["exact"] for r in runs) / max(1, sum(r["rows"] for r in runs))
+        if judged else None,
+        "near_ties": sum(r["near_ties"] for r in runs) if judged else None,
+        "desyncs": sum(r["desyncs"] for r in runs) if judged else None,
         "acceptance": (sum(s["accepted"] for s in stats) / drafted if drafted else 0.0) if stats else None,
         "mean_draft_length": (sum(s["planned"] for s in stats) / row_steps if row_steps else 0.0) if stats else None,
         "steps": sum(s["steps"] for s in stats) if stats else None,
@@ -307,6 +341,12 @@ def main(argv=None) -> int:
                     help="dtype the models are cast to (default float32)")
     ap.add_argument("--policies", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                     help="draft-length policies (default adaptive)")
+    ap.add_argument("--modes", nargs="+", default=["greedy"], choices=MODES,
+                    help="decoding modes, each next to the others (default greedy)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling modes (default 1)")
+    ap.add_argument("--top-k", type=int, default=0, help="sampling modes (default 0: no cut)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampling modes (default 1: no cut)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling modes (default 0)")
     ap.add_argument("--hf-lookup", type=int, default=0, metavar="N",
                     help="also run HF generate(prompt_lookup_num_tokens=N) at batch size 1")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats (default 1)")
@@ -320,7 +360,7 @@ def main(argv=None) -> int:
         data = json.loads(Path(args.from_json).read_text())
         if data.get("by_kind"):
             print_kinds(data["by_kind"], data["rows"])
-        summary = realign_summary(data["rows"])
+        summary = realign_summary(first_mode(data["rows"], data["meta"].get("modes")))
         print_summary(summary)
         if args.out:
             out = Path(args.out)
@@ -332,6 +372,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = load_prompts(args.prompts, args.kinds)
+    modes = list(dict.fromkeys(args.modes))
+    samplings = {m: None if m == "greedy" else Sampling(args.temperature, args.top_k, args.top_p,
+                                                       args.seed, m) for m in modes}
 
     target, tok = models.resolve(args.model, dtype=args.dtype)
     draft_model = models.resolve(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
@@ -346,10 +389,12 @@ def main(argv=None) -> int:
     kinds = list(dict.fromkeys(p.kind for p in chosen))
     groups = {kind: [i for i, p in enumerate(chosen) if p.kind == kind] for kind in kinds}
 
-    configs = [Config("standard", b) for b in args.batch_sizes]
-    configs += [Config("spec", b, d, s, pol, show_policy=len(args.policies) > 1)
-                for b in args.batch_sizes for d in args.drafters for s in args.strategies
-                for pol in args.policies]
+    configs = [Config("standard", b, mode=m, sampling=samplings[m])
+               for b in args.batch_sizes for m in modes]
+    configs += [Config("spec", b, d, s, pol, show_policy=len(args.policies) > 1, mode=m,
+                       sampling=samplings[m])
+                for b in args.batch_sizes for m in modes for d in args.drafters
+                for s in args.strategies for pol in args.policies]
     if args.hf_lookup:
         configs.append(Config("hf-lookup", 1, lookup=args.hf_lookup))
 
@@ -357,7 +402,7 @@ def main(argv=None) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    total = len(configs) * len(kinds) * args.repeats + 1
+    total = len(configs) * len(kinds) * args.repeats + len(modes)
     bar = tqdm(total=total, desc="benchmark", file=sys.stderr) if tqdm else None
 
     # warm-up: first calls pay for lazy initialisation; keep that out of every figure
@@ -369,30 +414,40 @@ def main(argv=None) -> int:
                         batch_size=2, max_new_tokens=4, **opts)
     if args.hf_lookup:
         hf_lookup_generate(target, ids[:1], 4, args.hf_lookup, stops)
-    t0 = time.perf_counter()
-    reference = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=1)
-    ref_seconds = time.perf_counter() - t0
-    if bar:
-        bar.update(1)
-    ref_tokens = sum(len(s) for s in reference)
+    # batch-1 plain decoding per mode and kind (a configuration decodes one kind per call,
+    # so a sampled row's request index is its index within its kind)
+    references, ref_seconds = {}, {}
+    for m in modes:
+        t0 = time.perf_counter()
+        references[m] = {kind: specdec.reference_generate(
+            target, [ids[i] for i in groups[kind]], max_new_tokens=new, batch_size=1,
+            sampling=samplings[m]) for kind in kinds}
+        ref_seconds[m] = time.perf_counter() - t0
+        if bar:
+            bar.update(1)
+    ref_tokens = sum(len(s) for ref in references[modes[0]].values() for s in ref)
     for repeat in range(args.repeats):
         for kind in kinds:
             rows = groups[kind]
-            sub, sub_ref = [ids[i] for i in rows], [reference[i] for i in rows]
+            sub = [ids[i] for i in rows]
             shift = (repeat + kinds.index(kind)) % len(configs)  # rotate the order
             for c in configs[shift:] + configs[:shift]:
                 if bar:
                     bar.set_postfix_str(f"{c.engine} {c.drafter or ''} batch {c.batch_size} {kind}")
+                sub_ref = references[c.mode][kind]
                 seqs, stats, secs, cpu = run_config(c, target, sub, new, args.k, sub_ref, vocab,
                                                     draft_model, stops)
-                # the oracle's verdict in the configuration's batch shape (not timed)
-                counts = compare_outputs(target, sub, seqs, sub_ref, max_new_tokens=new,
-                                         batch_size=c.batch_size,
-                                         chunk=1 if stats is None else args.k + 1).counts()
+                counts, exact = {"near-tie": None, "desync": None}, None
+                if c.mode != "rejection":  # the oracle's verdict in the configuration's batch shape (not timed)
+                    counts = compare_outputs(target, sub, seqs, sub_ref, max_new_tokens=new,
+                                             batch_size=c.batch_size,
+                                             chunk=1 if stats is None else args.k + 1,
+                                             sampling=c.sampling).counts()
+                    exact = sum(a == r for a, r in zip(seqs, sub_ref))
                 c.runs.append({"near_ties": counts["near-tie"], "desyncs": counts["desync"],
                                "repeat": repeat, "kind": kind, "seconds": secs, "cpu_seconds": cpu,
                                "tokens": sum(len(x) for x in seqs), "rows": len(seqs),
-                               "exact": sum(a == r for a, r in zip(seqs, sub_ref)),
+                               "exact": exact,
                                "stats": stats.as_dict() | {"row_steps": stats.row_steps,
                                                            "planned": stats.planned}
                                if stats else None})
@@ -414,23 +469,40 @@ def main(argv=None) -> int:
     print(f"model {model_name} ({args.dtype}), {source} ({min(map(len, ids))}-{max(map(len, ids))} tokens, "
           f"kinds: {', '.join(f'{k} {len(v)}' for k, v in groups.items())}), {new} new tokens, "
           f"k={args.k}, {args.repeats} interleaved repeat(s), torch threads "
-          f"{torch.get_num_threads()}; batch-1 reference: {ref_tokens / ref_seconds:.1f} tok/s\noracle: {rule}")
+          f"{torch.get_num_threads()}; batch-1 reference ({modes[0]}): "
+          f"{ref_tokens / ref_seconds[modes[0]]:.1f} tok/s\noracle: {rule}")
+    if any(s is not None for s in samplings.values()):
+        print(f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
+              f"seed {args.seed}; 'vs std' is against plain decoding in the row's own mode, "
+              "'vs grd' against plain greedy decoding")
     print_kinds(by_kind, rows)
     print_overall(rows)
-    summary = realign_summary(rows)
+    summary = realign_summary(first_mode(rows, modes))
     print_summary(summary)
 
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"model": model_name, "dtype": args.dtype, "oracle": rule, "prompts": source, "kinds": {k: len(v) for k, v in groups.items()},
-                "max_new_tokens": new, "k": args.k, "repeats": args.repeats,
-                "threads": torch.get_num_threads(), "reference_tokens_per_s": ref_tokens / ref_seconds}
+                "max_new_tokens": new, "k": args.k, "repeats": args.repeats, "modes": modes,
+                "sampling": {m: s.as_dict() for m, s in samplings.items() if s is not None},
+                "threads": torch.get_num_threads(),
+                "reference_tokens_per_s": ref_tokens / ref_seconds[modes[0]]}
         (out / "results.json").write_text(json.dumps(
             {"meta": meta, "rows": rows, "by_kind": by_kind, "realign_summary": summary}, indent=2))
         plot(rows, out)
         print(f"wrote {out / 'results.json'}, {out / 'throughput.png'}, {out / 'phases.png'}")
     return 0
+
+
+def first_mode(rows: list, modes) -> list:
+    """The rows of the first mode given (the realign summary compares those)."""
+    first = (modes or ["greedy"])[0]
+    return [r for r in rows if r.get("mode", "greedy") == first]
+
+
+def _pct(x, width: int = 6) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x * 100:{width - 1}.0f}%"
 
 
 def _fmt(x, spec: str, width: int) -> str:
@@ -450,37 +522,39 @@ def print_kinds(by_kind: list, rows: list) -> None:
     length, one line per configuration."""
     _table("\nper prompt kind (median over repeats; ratio to batched standard decoding at the "
            "same batch size in wall time and in CPU time, [min-max] over repeats)",
-           f"{'kind':<14} {'engine':<18} {'drafter':<13} {'batch':>5} {'tok/s':>7} "
-           f"{'vs std':>6} {'spread':>11} {'cpu tok/s':>9} {'cpu vs':>6} {'spread':>11} "
+           f"{'kind':<14} {'engine':<26} {'drafter':<13} {'batch':>5} {'tok/s':>7} "
+           f"{'vs std':>6} {'spread':>11} {'vs grd':>6} {'cpu tok/s':>9} {'cpu vs':>6} {'spread':>11} "
            f"{'accept':>6} {'mean kb':>7} {'exact':>6}")
     spread = lambda s: f"{s[0]:.2f}-{s[1]:.2f}" if s else "-"  # noqa: E731
     for r in by_kind:
-        print(f"{r['kind']:<14} {r['engine']:<18} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
+        print(f"{r['kind']:<14} {r['engine']:<26} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
               f"{r['tokens_per_s']:>7.1f} {_fmt(r['vs_standard'], '.2f', 6)} "
-              f"{spread(r['vs_standard_spread']):>11} {r['cpu_tokens_per_s']:>9.1f} "
+              f"{spread(r['vs_standard_spread']):>11} {_fmt(r.get('vs_greedy_standard'), '.2f', 6)} "
+              f"{r['cpu_tokens_per_s']:>9.1f} "
               f"{_fmt(r['vs_standard_cpu'], '.2f', 6)} {spread(r['vs_standard_cpu_spread']):>11} "
               f"{_fmt(r['acceptance'], '.2f', 6)} {_fmt(r['mean_draft_length'], '.2f', 7)} "
-              f"{r['exact_match'] * 100:5.0f}%")
+              f"{_pct(r['exact_match'])}")
 
 
 def print_overall(rows: list) -> None:
     _table("\nall kinds (vs std: geometric mean over kinds of the per-kind ratios, wall time; "
            "low: the lowest kind; cpu: the same in CPU time)",
-           f"{'engine':<18} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} "
-           f"{'low':>5} {'cpu vs':>6} {'low':>5} {'vs b1':>6} {'accept':>6} {'kb':>5} "
+           f"{'engine':<26} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} "
+           f"{'low':>5} {'vs grd':>6} {'cpu vs':>6} {'low':>5} {'vs b1':>6} {'accept':>6} {'kb':>5} "
            f"{'group':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} {'exact':>6} {'ties':>4} {'desync':>6}")
     for r in rows:
         sh = r["phase_shares"] or {}
         pct = lambda x, w=6: f"{x * 100:{w - 1}.1f}%" if x is not None else f"{'-':>{w}}"  # noqa: E731
-        print(f"{r['engine']:<18} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
+        print(f"{r['engine']:<26} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
               f"{r['tokens_per_s']:>7.1f} {_fmt(r['decode_tokens_per_s'], '.1f', 7)} "
               f"{_fmt(r['vs_standard'], '.2f', 6)} {_fmt(r['vs_standard_min'], '.2f', 5)} "
+              f"{_fmt(r.get('vs_greedy_standard'), '.2f', 6)} "
               f"{_fmt(r['vs_standard_cpu'], '.2f', 6)} {_fmt(r['vs_standard_min_cpu'], '.2f', 5)} "
               f"{_fmt(r.get('vs_own_batch1'), '.2f', 6)} {_fmt(r['acceptance'], '.2f', 6)} "
               f"{_fmt(r['mean_draft_length'], '.2f', 5)} {_fmt(r['group_rate'], '.2f', 6)} "
               f"{pct(sh.get('draft'))} {pct(sh.get('verify'))} {pct(sh.get('realign'), 7)} "
-              f"{pct(sh.get('checks'))} {r['exact_match'] * 100:5.0f}% {r['near_ties']:>4} "
-              f"{r['desyncs']:>6}")
+              f"{pct(sh.get('checks'))} {_pct(r['exact_match'])} {_fmt(r['near_ties'], 'd', 4)} "
+              f"{_fmt(r['desyncs'], 'd', 6)}")
 
 
 def decode_tokens_per_s(row: dict) -> float | None:

@@ -124,11 +124,30 @@ def clean_prefill(model, ids: torch.Tensor):
     return [(layer.keys[0], layer.values[0]) for layer in cache_layers(cache)]
 
 
+def choice_scores(logits: torch.Tensor, sampling, request: int, t: int) -> torch.Tensor:
+    """[V]: what the choice at output position ``t`` of request ``request`` maximises:
+    the logits (``sampling`` None, greedy), or ``sampling.scores`` (coupled sampling: see
+    ``StepView.sampling``)."""
+    if sampling is None:
+        return logits
+    if getattr(sampling, "mode", None) != "coupled":
+        raise ValueError(f"a reference exists for greedy decoding and coupled sampling only, "
+                         f"not for sampling mode {getattr(sampling, 'mode', None)!r} (its "
+                         "output is a random sample: test its distribution instead)")
+    dev = logits.device
+    at = lambda v: torch.tensor([v], dtype=torch.long, device=dev)  # noqa: E731
+    return sampling.scores(logits[None], at(request), at(t))[0]
+
+
 @torch.no_grad()
-def greedy_reference(model, prompt, max_new_tokens: int, stop_token_ids=()):
+def greedy_reference(model, prompt, max_new_tokens: int, stop_token_ids=(), sampling=None,
+                     request: int = 0):
     """Batch-1 greedy decoding: (ids, margins), ids cut after the first stop token.
 
-    ``margins[i]`` is the top-1 minus top-2 logit at generated position ``i``.
+    ``margins[i]`` is the top-1 minus top-2 logit at generated position ``i``. With
+    ``sampling`` (coupled sampling, see ``StepView.sampling``) each token is instead the
+    argmax of ``sampling.scores`` for request ``request`` at its output position, and the
+    margins are those of the scores: plain coupled sampling, by the model's own loop.
     """
     from transformers import DynamicCache
 
@@ -139,9 +158,10 @@ def greedy_reference(model, prompt, max_new_tokens: int, stop_token_ids=()):
     kw = cache_kwarg(model)
     out, margins = [], []
     logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1]
-    for _ in range(int(max_new_tokens)):
-        top = top2_margin(logits)
-        nxt = int(logits.argmax())
+    for t in range(int(max_new_tokens)):
+        scores = choice_scores(logits, sampling, request, t)
+        top = top2_margin(scores)
+        nxt = int(scores.argmax())
         out.append(nxt)
         margins.append(top)
         if nxt in stops or len(out) == max_new_tokens:

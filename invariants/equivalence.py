@@ -1,4 +1,5 @@
-"""The output-equivalence oracle (I7): are generated ids the target's greedy decoding?
+"""The output-equivalence oracle (I7): are generated ids the target's greedy decoding (or
+its plain coupled sampling, ``sampling=``)?
 
 ``compare_outputs(model, prompts, outputs)`` compares each row with a reference (given, or
 computed here by ``greedy_reference``: the model's own batch-1 greedy loop, no specdec).
@@ -42,6 +43,16 @@ and the engine token's gap are both ``<= tolerance`` logits.
 Every divergence reports its evidence (``Divergence``): margin, both gaps, spread and
 threshold, in logits and in ulps. Logits are compared in fp32 after the model computed
 them in its own dtype.
+
+Sampling (``sampling=``, see ``StepView.sampling``): in coupled mode the reference is
+plain coupled sampling (the argmax of ``sampling.scores`` at every position, request
+index = the row's index in ``prompts`` unless ``requests`` says otherwise), and every
+logit vector above (the base, each recomputation, the teacher-forced one) is turned into
+the scores of that request and output position before margins, gaps and spreads are
+taken: the noise is the same in every recomputation, so the spread is the arithmetic's
+(divided by the temperature; the ulp floor too). Tokens outside the candidate set have
+score -inf: they are not tracked, and a token judged there is a desync. Rejection
+sampling has no reference (its output is a random sample): refused.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from typing import Sequence
 
 import torch
 
-from ._hf import forced_logits, greedy_reference, model_dtype, shaped_logits
+from ._hf import choice_scores, forced_logits, greedy_reference, model_dtype, shaped_logits
 
 #: ``tolerance=None``: the calibrated rule (module docstring); a number is the old absolute rule
 DEFAULT_TOLERANCE = None
@@ -239,9 +250,12 @@ def first_divergence(out: Sequence[int], ref: Sequence[int], start: int = 0) -> 
 
 @torch.no_grad()
 def divergence_margin(model, prompt: Sequence[int], ref_prefix: Sequence[int],
-                      token: int | None) -> tuple[float, float | None]:
-    """Teacher-force ``prompt ++ ref_prefix``; return (top-2 margin, gap of ``token``)."""
-    logits = shaped_logits(model, list(prompt) + list(ref_prefix))
+                      token: int | None, sampling=None,
+                      request: int = 0) -> tuple[float, float | None]:
+    """Teacher-force ``prompt ++ ref_prefix``; return (top-2 margin, gap of ``token``) of
+    the logits (or of the coupled scores of ``request`` there, with ``sampling``)."""
+    logits = choice_scores(shaped_logits(model, list(prompt) + list(ref_prefix)), sampling,
+                           request, len(ref_prefix)).float()
     top = logits.topk(min(2, logits.shape[-1])).values
     margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
     gap = None if token is None or not 0 <= token < logits.shape[-1] else float(top[0] - logits[token])
@@ -278,26 +292,39 @@ def _gaps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.max() - logits.index_select(0, tokens)
 
 
+def _spread(v: torch.Tensor, tracked: torch.Tensor, base_gaps: torch.Tensor) -> float:
+    """The largest change of a tracked gap (a token that left a sampling run's candidate
+    set in ``v``, an infinite change, is not counted: the set is judged by the base)."""
+    change = (_gaps(v, tracked) - base_gaps).abs()
+    change = change[torch.isfinite(change)]
+    return float(change.max()) if change.numel() else 0.0
+
+
 def judge(model, prompt, prefix, expected: int | None, actual: int | None, *,
           index: int, tolerance: float | None = DEFAULT_TOLERANCE,
           floor_ulps: float = FLOOR_ULPS, shape: EngineShape | None = None,
-          reference: str = "batch-1 greedy", extra_logits=()) -> Divergence:
+          reference: str = "batch-1 greedy", extra_logits=(), sampling=None,
+          request: int = 0) -> Divergence:
     """Judge a divergence at output ``index`` after ``prompt ++ prefix`` (module docstring).
 
     ``extra_logits``: logit vectors of that prefix already computed by a legitimate path
-    (the teacher-forced reference's own), counted as recomputations.
+    (the teacher-forced reference's own), counted as recomputations. ``sampling``,
+    ``request``: judge coupled scores instead of logits (module docstring).
     """
     mk = lambda cls, **kw: Divergence(index, cls, expected, actual, reference, **kw)  # noqa: E731
     if expected is None or actual is None:
         return mk("desync")
     x = list(prompt) + list(prefix)
-    base = shaped_logits(model, x)
+    scored = lambda v: choice_scores(v, sampling, request, index).float()  # noqa: E731
+    logits = shaped_logits(model, x)
+    base = scored(logits)
     vocab = base.shape[-1]
     if not (0 <= actual < vocab and 0 <= expected < vocab):
         return mk("desync")
     top = base.topk(min(2, vocab)).values
     margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
-    step = ulp(float(top[0]), model_dtype(model))
+    scale = 1.0 if sampling is None else 1.0 / sampling.temperature
+    step = ulp(float(logits.max()), model_dtype(model)) * scale
     gap, ref_gap = (float(top[0] - base[t]) for t in (actual, expected))
     if tolerance is not None:
         tie = margin <= tolerance and gap <= tolerance
@@ -306,6 +333,7 @@ def judge(model, prompt, prefix, expected: int | None, actual: int | None, *,
     floor = floor_ulps * step
     tracked = torch.unique(torch.cat([base.topk(min(TRACKED, vocab)).indices,
                                       torch.tensor([actual, expected], device=base.device)]))
+    tracked = tracked[torch.isfinite(base[tracked])]
     base_gaps = _gaps(base, tracked)
     spread, count = 0.0, 1
 
@@ -320,7 +348,7 @@ def judge(model, prompt, prefix, expected: int | None, actual: int | None, *,
     vectors += [shaped_logits(model, x, **kw) for kw in recomputations(len(prompt), len(x), shape)]
     for v in vectors:
         count += 1
-        spread = max(spread, float((_gaps(v.float(), tracked) - base_gaps).abs().max()))
+        spread = max(spread, _spread(scored(v), tracked, base_gaps))
     return verdict()
 
 
@@ -331,7 +359,8 @@ def judge(model, prompt, prefix, expected: int | None, actual: int | None, *,
 def check_row(model, prompt, out, ref=None, *, row: int = 0, start: int = 0,
               complete: bool = True, budget: int | None = None, stop_token_ids=(),
               tolerance: float | None = DEFAULT_TOLERANCE, floor_ulps: float = FLOOR_ULPS,
-              shape: EngineShape | None = None) -> RowComparison:
+              shape: EngineShape | None = None, sampling=None,
+              request: int | None = None) -> RowComparison:
     """Check ``out[start:]`` (``out[:start]`` is known good).
 
     ``ref``: the batch-1 greedy reference; up to its first divergence the row is compared
@@ -339,10 +368,14 @@ def check_row(model, prompt, out, ref=None, *, row: int = 0, start: int = 0,
     teacher-forced reference from ``start`` on. ``complete``: the row has finished (its
     length is then checked: it ends at its first stop token, else at ``budget`` when
     known). A partial row (``complete=False``) is compared with ``ref[:len(out)]``.
+    ``sampling``: coupled sampling keyed by ``request`` (default ``row``): the references
+    and the judged values are the coupled scores (module docstring).
     """
     out = [int(t) for t in out]
     stops = {int(s) for s in stop_token_ids}
-    kw = dict(tolerance=tolerance, floor_ulps=floor_ulps, shape=shape)
+    request = row if request is None else request
+    kw = dict(tolerance=tolerance, floor_ulps=floor_ulps, shape=shape, sampling=sampling,
+              request=request)
     divs: list[Divergence] = []
     i = start
     if ref is not None:
@@ -370,12 +403,12 @@ def check_row(model, prompt, out, ref=None, *, row: int = 0, start: int = 0,
                 divs.append(Divergence(budget, "desync", None, out[budget], "teacher-forced"))
             elif complete and budget is not None and len(out) < budget:
                 forced = forced if forced is not None else forced_logits(model, prompt, out)
-                divs.append(Divergence(len(out), "desync", int(forced[len(out)].argmax()),
-                                       None, "teacher-forced"))
+                nxt = choice_scores(forced[len(out)], sampling, request, len(out)).argmax()
+                divs.append(Divergence(len(out), "desync", int(nxt), None, "teacher-forced"))
             break
         if forced is None:
             forced = forced_logits(model, prompt, out)
-            preds = forced.argmax(-1).tolist()
+            preds = _forced_choices(forced, sampling, request)
         if out[i] != preds[i]:
             div = judge(model, prompt, out[:i], preds[i], out[i], index=i,
                         reference="teacher-forced", extra_logits=(forced[i],), **kw)
@@ -389,11 +422,22 @@ def check_row(model, prompt, out, ref=None, *, row: int = 0, start: int = 0,
                          tuple(divs))
 
 
+def _forced_choices(forced: torch.Tensor, sampling, request: int) -> list:
+    """The choice after every prefix of a teacher-forced row ([L, V] logits): the argmax,
+    or the coupled choice of ``request`` at output positions 0 .. L-1."""
+    if sampling is None:
+        return forced.argmax(-1).tolist()
+    at = torch.arange(forced.shape[0], device=forced.device)
+    return sampling.scores(forced, torch.full_like(at, request), at).argmax(-1).tolist()
+
+
 def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens: int | None = None,
                     stop_token_ids=None, tolerance: float | None = DEFAULT_TOLERANCE,
                     floor_ulps: float = FLOOR_ULPS, batch_size: int | None = None,
-                    chunk: int | None = None) -> Comparison:
-    """Compare ``outputs[i]`` (generated ids of ``prompts[i]``) with batch-1 greedy decoding.
+                    chunk: int | None = None, sampling=None, requests=None) -> Comparison:
+    """Compare ``outputs[i]`` (generated ids of ``prompts[i]``) with batch-1 greedy decoding
+    (or batch-1 coupled sampling: ``sampling``, request index ``requests[i]``, default i;
+    see the module docstring).
 
     references: the reference ids per prompt; when None they are computed with
     ``greedy_reference`` (then ``max_new_tokens`` is required). ``max_new_tokens`` is the
@@ -405,6 +449,14 @@ def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens:
     forward: ``k + 1`` for speculative decoding), when known, add a recomputation in the
     engine's shape: each row left-padded as in its batch of prompts taken in order.
     """
+    if sampling is not None and getattr(sampling, "mode", None) != "coupled":
+        raise ValueError(f"compare_outputs compares with a reference, which exists for greedy "
+                         f"decoding and coupled sampling only, not for sampling mode "
+                         f"{getattr(sampling, 'mode', None)!r}: test the distribution instead")
+    requests = list(range(len(prompts))) if requests is None else [int(r) for r in requests]
+    if len(requests) != len(prompts):
+        raise ValueError(f"need one request index per prompt: {len(requests)} requests, "
+                         f"{len(prompts)} prompts")
     if len(outputs) != len(prompts):
         raise ValueError(f"need one output per prompt: {len(outputs)} outputs, {len(prompts)} prompts")
     stops = default_stop_ids(model) if stop_token_ids is None else [int(s) for s in stop_token_ids]
@@ -412,7 +464,8 @@ def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens:
         if max_new_tokens is None:
             raise ValueError("compare_outputs computes the reference itself when references=None: "
                              "pass max_new_tokens (the budget the outputs were generated with)")
-        references = [greedy_reference(model, p, max_new_tokens, stops)[0] for p in prompts]
+        references = [greedy_reference(model, p, max_new_tokens, stops, sampling, q)[0]
+                      for p, q in zip(prompts, requests)]
     elif len(references) != len(prompts):
         raise ValueError(f"need one reference per prompt: {len(references)} references, "
                          f"{len(prompts)} prompts")
@@ -425,7 +478,8 @@ def compare_outputs(model, prompts, outputs, references=None, *, max_new_tokens:
         if budget is None and not (r and int(r[-1]) in stops):
             budget = len(r)
         rows.append(check_row(model, p, o, r, row=i, budget=budget, stop_token_ids=stops,
-                              tolerance=tolerance, floor_ulps=floor_ulps, shape=shapes[i]))
+                              tolerance=tolerance, floor_ulps=floor_ulps, shape=shapes[i],
+                              sampling=sampling, request=requests[i]))
     return Comparison(rows, tolerance, str(model_dtype(model)).replace("torch.", ""), floor_ulps)
 
 

@@ -34,6 +34,16 @@ Modes (``MODES``):
   rule). Pending cheap flags are read before a deep violation is raised, so the first
   failing phase is still the one reported.
 
+Sampling engines (``view.sampling``). Coupled mode: the view's ``predictions`` are the
+target's coupled choices, so I1-I6 apply unchanged, and deep I7 compares with batch-1
+coupled sampling (the argmax of ``view.sampling.scores``; the oracle judges the scores).
+Rejection mode: I1-I6 apply unchanged to the step's own choices (accepted drafts, then the
+residual or bonus sample): the commit writes exactly them, accepted counts are the longest
+prefix of drafts equal to them, budgets and stops hold. What no step rule can check is
+that the choices follow the target's distribution: I7 is skipped (each run's skip is
+listed in ``unchecked``) and the distribution is tested statistically
+(``specdec.forensics.distribution``).
+
 When a step ends: views carry ``step``, the verify steps completed before the phase, so
 the views of step ``s`` are the prefill (or the realign that opens the step), draft,
 verify and commit. The commit view ends the step: strict mode reads there. A view whose
@@ -194,6 +204,7 @@ class Monitor(Checker):
             raise ValueError(f"remember_rows must be an integer >= 0, got {remember_rows!r}")
         self.remember_rows = remember_rows
         self.near_ties: list[dict] = []
+        self.unchecked: list[dict] = []  # checks a run's engine left undefined (see above)
         self.calls = 0
         self.runs = 0
         #: how often each rule group ran (group name -> count); skipped groups do not count
@@ -369,7 +380,15 @@ class Monitor(Checker):
                 self._emit(self._build(view, "I5", rows, [slots[b] for b in rows], [rule],
                                        rule=R.R_KV, history_len=len(self._history)))
         if "I7" in self.invariants and view.phase == "commit" and view.model is not None:
-            self._check_reference(view)
+            s = view.sampling
+            if s is None or getattr(s, "mode", None) == "coupled":
+                self._check_reference(view)
+            elif not any(u["run"] == self.runs for u in self.unchecked):
+                self.unchecked.append({
+                    "run": self.runs, "invariant": "I7",
+                    "reason": f"sampling mode {getattr(s, 'mode', None)!r}: the output is a random "
+                              "sample, equal to no reference; test its distribution instead "
+                              "(specdec.forensics.distribution)"})
 
     def _check_reference(self, view: StepView) -> None:
         ids = view.row_ids.tolist()
@@ -387,7 +406,7 @@ class Monitor(Checker):
                 from ._hf import greedy_reference
 
                 self._refs[rid] = greedy_reference(view.model, prompts[b], budgets[b],
-                                                   view.stop_token_ids)
+                                                   view.stop_token_ids, view.sampling, rid)
             o = out[b][: gen[b]]
             seen, past_tie = self._checked.get(rid, ([], False))
             if o[: len(seen)] != seen:  # the output changed after it was checked: again
@@ -399,7 +418,8 @@ class Monitor(Checker):
             row = check_row(view.model, prompts[b], o, None if past_tie else self._refs[rid][0],
                             row=b, start=checked, complete=bool(fin[b]), budget=budgets[b],
                             stop_token_ids=view.stop_token_ids,
-                            tolerance=self.near_tie_tolerance, shape=shape)
+                            tolerance=self.near_tie_tolerance, shape=shape,
+                            sampling=view.sampling, request=rid)
             self.near_ties += [{"step": view.step, "row": b, "row_id": rid, **d.as_dict()}
                                for d in row.near_ties]
             self._checked[rid] = (o, past_tie or bool(row.near_ties))
@@ -411,7 +431,8 @@ class Monitor(Checker):
             self._settled.add(rid)  # past a desync the row is not checked again
             bad_rows.append(b)
             slots.append([bad.index])
-            rules.append(R.R_REFERENCE.text(detail=f"row {b}: {bad.describe()}",
+            what = "greedy decoding" if view.sampling is None else "plain coupled sampling"
+            rules.append(R.R_REFERENCE.text(what=what, detail=f"row {b}: {bad.describe()}",
                                             oracle=rule_text(self.near_tie_tolerance)))
         if bad_rows:
             self.read()  # cheap violations of this phase or earlier come first
@@ -546,7 +567,7 @@ class Monitor(Checker):
 
     def reset(self) -> None:
         """Forget violations, near-ties and the run state (keeps the configuration)."""
-        self.violations, self.near_ties = [], []
+        self.violations, self.near_ties, self.unchecked = [], [], []
         self.calls = self.runs = self._reported = 0
         self.group_runs = Counter()
         self._reset_run()

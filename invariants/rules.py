@@ -874,7 +874,7 @@ R_KV = Rule("I5.kv", "I5",
             ("model", "cache_tensors", "tokens", "valid", "drafts", "draft_limit"),
             columns="slots")
 R_REFERENCE = Rule("I7.reference", "I7",
-                   "output equals the target's greedy decoding: {detail} ({oracle})",
+                   "output equals the target's {what}: {detail} ({oracle})",
                    ("model", "output", "generated", "finished", "budgets", "row_ids"),
                    columns="output", lines=_TOKEN_LINES)
 

@@ -84,7 +84,10 @@ class StepView:
     draft_limit: torch.Tensor | None = None
     # the last target forward (prefill and verify)
     forward: ForwardRecord | None = None
-    # [B, k+1] long: target argmax at pending and each draft (verify, commit)
+    # [B, k+1] long (verify, commit): the target's choice at pending and each draft: its
+    # argmax (greedy), its coupled choice (``sampling.mode == "coupled"``), or the step's
+    # choice of rejection sampling (the draft where accepted, else the residual sample;
+    # the bonus sample last), for which the greedy acceptance rule holds too
     predictions: torch.Tensor | None = None
     # [B] long (commit)
     accepted: torch.Tensor | None = None
@@ -99,6 +102,11 @@ class StepView:
     cache_tensors: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
     # free-form engine facts shown in traces (strategy name, batch index, ...)
     info: dict = field(default_factory=dict)
+    # how the engine chooses tokens; None: greedy (argmax). Otherwise an object with
+    # ``mode`` ("coupled" | "rejection"), ``as_dict()`` and, for coupled sampling,
+    # ``scores(logits [..., V], row_ids, t) -> [..., V]``: the coupled choice at output
+    # position t of request row_ids is the argmax of these scores (``specdec.Sampling``)
+    sampling: Any = None
 
     @property
     def batch_size(self) -> int:

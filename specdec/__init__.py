@@ -1,6 +1,7 @@
-"""specdec: batched speculative decoding that stays exactly equal to greedy decoding.
+"""specdec: batched speculative decoding that stays exactly equal to greedy decoding (and
+to plain sampling, token for token, in coupled sampling mode).
 
-Public names: ``generate``, ``reference_generate``, ``models``, ``drafters``.
+Public names: ``generate``, ``reference_generate``, ``Sampling``, ``models``, ``drafters``.
 
 Names are resolved lazily (PEP 562): ``import specdec.layout`` (the index math, which
 ``proofs/`` evaluates on z3 terms) does not import torch, transformers or the engine.
@@ -12,11 +13,11 @@ import importlib
 
 _EXPORTS = {
     "generate": "engine", "Result": "engine", "Stats": "phases",
-    "reference_generate": "reference",
+    "reference_generate": "reference", "Sampling": "sampling",
 }
 _SUBMODULES = ("drafters", "models")
 
-__all__ = ["generate", "reference_generate", "models", "drafters", "Result", "Stats"]
+__all__ = ["generate", "reference_generate", "Sampling", "models", "drafters", "Result", "Stats"]
 
 
 def __getattr__(name: str):

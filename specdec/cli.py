@@ -63,6 +63,37 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "pays) or fixed (every row drafts k)")
 
 
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed", "sampling_mode")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, what: str, mode: bool = True) -> None:
+    """--temperature --top-k --top-p --seed [--sampling-mode] (``specdec.Sampling``)."""
+    g = p.add_argument_group("sampling", what)
+    g.add_argument("--temperature", type=float, default=None, help="> 0 (default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: all)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="keep the most likely tokens up to this mass, in (0, 1] (default 1: all)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="request i samples with (seed, i); 0 <= seed < 2**64 (default 0)")
+    if mode:
+        g.add_argument("--sampling-mode", default=None, choices=("coupled", "rejection"),
+                       help="coupled: equal to plain sampling token for token (default); "
+                            "rejection: speculative rejection sampling (equal in distribution)")
+
+
+def _sampling(args, always: bool = False):
+    """The ``specdec.Sampling`` of the sampling flags (None when none was given, unless
+    ``always``); bad values raise the rule (checked before any model loads)."""
+    from .sampling import Sampling
+
+    given = {n: getattr(args, n) for n in SAMPLING_FLAGS if getattr(args, n, None) is not None}
+    if not given and not always:
+        return None
+    if "sampling_mode" in given:
+        given["mode"] = given.pop("sampling_mode")
+    return Sampling(**given)
+
+
 def _add_strategy_options(p: argparse.ArgumentParser) -> None:
     """Every registered strategy's options as flags (``--window``, ``--hole-threshold``)."""
     seen: set = set()
@@ -119,6 +150,7 @@ def cmd_generate(args) -> int:
     from . import drafters, engine, models
 
     items = _read_prompts(args)  # files and options first: no model loads for bad input
+    sampling = _sampling(args)
     options = _strategy_options(args)
     plugin = strategies.get(args.strategy)
     engine.check_option_names(plugin, options)
@@ -131,7 +163,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                          policy=args.policy, **_strategy_options(args))
+                          sampling=sampling, policy=args.policy, **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -167,6 +199,7 @@ def cmd_audit(args) -> int:
         tqdm = None
     engines = args.engines or list(audit.engine_names())
     audit.check_engines(engines)  # options and files first: no work for a bad one
+    sampling = _sampling(args, always=True)
     if args.out:
         validation.writable_dir(args.out, "--out")
     items = prompt_mod.prompt_set(args.prompts)
@@ -193,14 +226,16 @@ def cmd_audit(args) -> int:
     report = audit.Report(name, len(ids), {"batch_size": args.batch_size, "k": args.k,
                                            "max_new_tokens": args.max_new_tokens, "drafter": dname,
                                            "policy": args.policy})
-    steps = len(engines) * -(-len(ids) // args.batch_size) + 1  # engine x batch, reference
+    once = sum(e in audit.distribution_names() for e in engines)  # distribution tests
+    steps = (len(engines) - once) * -(-len(ids) // args.batch_size) + once + 1  # + reference
     bar = tqdm(total=steps, desc="audit", file=sys.stderr) if tqdm else None
     t0 = time.perf_counter()
     try:
         audit.run_audit(target, tok, ids, model_name=name, engines=engines,
                         batch_size=args.batch_size, k=args.k, max_new_tokens=args.max_new_tokens,
                         drafter_factory=factory, drafter_name=dname,
-                        progress=bar.update if bar else None, report=report, policy=args.policy)
+                        progress=bar.update if bar else None, report=report, sampling=sampling,
+                        policy=args.policy)
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
@@ -213,9 +248,12 @@ def cmd_audit(args) -> int:
     if args.out:
         report.write(args.out)
         print(f"# wrote {args.out}/report.md, report.json, exactness.png, phases.png")
-    bad_correct = [e.name for e in report.engines if e.expected_correct and (e.desyncs or e.violations)]
+    bad_correct = [e.name for e in report.engines if e.expected_correct and (
+        e.desyncs or e.violations or e.error
+        or (e.distribution is not None and not e.distribution["passed"]))]
     if bad_correct:
-        print(f"# FAILED: correct engines with desyncs or violations: {', '.join(bad_correct)}")
+        print(f"# FAILED: correct engines with desyncs, violations, errors or a failed "
+              f"distribution test: {', '.join(bad_correct)}")
         return 1
     return 130 if report.interrupted else 0
 
@@ -233,6 +271,7 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_engine_options(g)
     _add_strategy_options(g)
+    _add_sampling_options(g, "any of these turns sampling on (greedy decoding otherwise)")
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("audit", help="which engines stay exact, which corrupt text, and where")
@@ -244,6 +283,9 @@ def main(argv=None) -> int:
     a.add_argument("--engines", nargs="+", help="engines to run (default: all)")
     a.add_argument("--out", help="directory for report.md, report.json and PNG figures")
     _add_engine_options(a)
+    _add_sampling_options(a, "the parameters of the sampling engines (coupled:*, rejection:* "
+                             "and the known-bad sampling engines; the mode is each engine's own)",
+                          mode=False)
     a.set_defaults(func=cmd_audit, max_new_tokens=32)
 
     r = sub.add_parser("replay", help="re-run a saved violation trace (or a z3 counterexample)")

@@ -6,7 +6,12 @@ One interface (``Drafter``):
 - ``propose(batch, k) -> drafts [B, k] long``: called once per step; every row gets k
   proposals (rows whose budget allows fewer simply cannot accept the rest);
 - ``uses_cache``: whether the drafter keeps ``batch.draft_cache``. The engine realigns that
-  cache with the same gather as the target's.
+  cache with the same gather as the target's;
+- optional, for sampling runs: ``propose_sampled(batch, k, sampling) -> (drafts [B, k],
+  logits [B, k+1, V])``: drafts chosen by the run's rule (``specdec.sampling.draft_choice``)
+  and the draft model's logits at each draft and after the last one (rejection sampling
+  reads its distribution q from them). A drafter without it is a point mass
+  (``propose`` is called, q = onehot(draft)).
 
 Cache convention of ``ModelDrafter``: outside a step its cache has width ``W - 1`` like the
 target's. ``propose`` feeds the pending token and the k drafts one at a time (k + 1
@@ -27,6 +32,7 @@ import torch
 from . import cache as cache_mod
 from . import layout, validation
 from .batch import RaggedBatch
+from .sampling import draft_choice
 
 
 class Drafter(Protocol):
@@ -37,13 +43,15 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """Drafts greedily with a smaller causal LM sharing the target's vocabulary.
+    """Drafts with a smaller causal LM sharing the target's vocabulary: greedily, or by the
+    run's sampling rule (``propose_sampled``).
 
     Evidence for the adaptive policy (``specdec.policy``): its own probability for each
     draft of the latest step, in classes ``CONFIDENCE_EDGES`` (a slot it did not draft
     then is the last class, "unknown"). The policy uses it for the next step's slots:
     the drafts of the next step are not known before its width is, so this is the
-    evidence available without another host read.
+    evidence available without another host read. A sampling run's evidence is the
+    draft model's probability of the token it drew, at the run's temperature.
     """
 
     uses_cache = True
@@ -73,8 +81,20 @@ class ModelDrafter:
             cache_mod.forward(self.model, batch.tokens[:, : w - 1], batch.positions[:, : w - 1],
                               batch.valid[:, : w - 1], batch.draft_cache, last_logits=True)
 
-    @torch.no_grad()
     def propose(self, batch: RaggedBatch, k: int) -> torch.Tensor:
+        """Greedy drafts [B, k]."""
+        return self.draft(batch, k, None)[0]
+
+    def propose_sampled(self, batch: RaggedBatch, k: int, sampling):
+        """(drafts [B, k], logits [B, k+1, V]): each draft is ``sampling.draft_choice`` of
+        the draft model's logits at its output position (coupled: the coupled choice with
+        the request's own noise; rejection: a sample of q); the logits of all k + 1
+        forwards are returned (the last one, after the k-th draft, is otherwise unused)."""
+        return self.draft(batch, k, sampling)
+
+    @torch.no_grad()
+    def draft(self, batch: RaggedBatch, k: int, sampling):
+        """(drafts [B, k], logits [B, k+1, V] or None when ``sampling`` is None)."""
         cache = batch.draft_cache
         b, w = batch.tokens.shape
         mask = batch.valid[:, : w - 1]
@@ -83,23 +103,30 @@ class ModelDrafter:
         # positions of the mask columns, needed only for a sliding window over holes
         kpos = batch.positions[:, : w - 1] if batch.holes and \
             cache_mod.sliding_window(self.model) is not None else None
-        drafts, conf = [], []
+        drafts, conf, seen = [], [], []
         for i in range(k + 1):  # k + 1 sequential one-token forwards (see module docstring)
             mask = torch.cat([mask, ones], dim=1)
             pos = layout.verify_position(batch.lengths, i)[:, None]
             if kpos is not None:
                 kpos = torch.cat([kpos, pos], dim=1)
-            logits = cache_mod.forward(self.model, token, pos, mask, cache, key_positions=kpos)
+            logits = cache_mod.forward(self.model, token, pos, mask, cache, key_positions=kpos)[:, -1]
+            if sampling is not None:
+                seen.append(logits)
             if i < k:
-                top = logits[:, -1].float().softmax(-1).max(-1, keepdim=True)
-                token = top.indices
+                if sampling is None:
+                    top = logits.float().softmax(-1).max(-1, keepdim=True)
+                    token, prob = top.indices, top.values
+                else:
+                    token = draft_choice(logits, sampling, batch.row_ids, batch.generated + i)[:, None]
+                    prob = (logits.float() / sampling.temperature).softmax(-1).gather(-1, token)
                 drafts.append(token)
-                conf.append(top.values)
+                conf.append(prob)
+        seen_logits = torch.stack(seen, dim=1) if sampling is not None else None
         if not drafts:
             self.confidence = torch.zeros(b, 0, device=batch.device)
-            return torch.zeros(b, 0, dtype=torch.long, device=batch.device)
+            return torch.zeros(b, 0, dtype=torch.long, device=batch.device), seen_logits
         self.confidence = torch.cat(conf, dim=1)
-        return torch.cat(drafts, dim=1)
+        return torch.cat(drafts, dim=1), seen_logits
 
     def evidence(self, batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
                  k: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 
 from . import cache as cache_mod
 from . import policy as policy_mod
+from . import sampling as sampling_mod
 from . import strategies, validation
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
@@ -80,13 +81,20 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
 # ---------------------------------------------------------------------------------------
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
-             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(),
+             batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), sampling=None,
              policy="adaptive", **options) -> Result:
-    """Greedy speculative decoding of ``prompts`` with ``target``.
+    """Speculative decoding of ``prompts`` with ``target``: greedy, or sampled.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
     prompt i, the stop token included where one ended the row, equal to the target's own
-    greedy decoding. ``stop_token_ids`` defaults to the target's generation config.
+    greedy decoding (``sampling`` None). ``stop_token_ids`` defaults to the target's
+    generation config.
+
+    ``sampling``: None (greedy) or ``specdec.Sampling(temperature, top_k, top_p, seed,
+    mode)``: request i samples with (seed, i). Mode "coupled": ``sequences`` equal plain
+    sampling (``reference_generate(..., sampling=)``) token for token; "rejection":
+    speculative rejection sampling, a sample of the target's distribution
+    (``specdec.sampling``).
 
     ``k`` is the most drafts a row verifies per step; ``policy`` chooses each row's own
     draft length ``k_b`` in ``0 .. k`` at every step (``specdec.policy``): ``"adaptive"``
@@ -110,6 +118,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     a = validate(target, prompts, tokenizer=tokenizer, drafter=drafter, strategy=strategy, k=k,
                  batch_size=batch_size, max_new_tokens=max_new_tokens,
                  stop_token_ids=stop_token_ids, hooks=hooks)
+    sampling = sampling_mod.checked(sampling)
     ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
     plugin = strategies.get(strategy)
     given = {name: v for name, v in options.items() if v is not None}
@@ -127,7 +136,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
         hooks=a.hooks, max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
         strategy=strategy, options=MappingProxyType(dict(resolved)),
         target_window=cache_mod.sliding_window(target), vocab=vocab_size(target),
-        policy=chosen,
+        sampling=sampling, policy=chosen,
     )
     state = State(profile=plugin.profile)
     if hasattr(drafter, "bind"):

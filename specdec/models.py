@@ -52,8 +52,8 @@ class ModelNotInstalledError(ImportError):
     """A real model's package is missing; the message gives the install command."""
 
 
-def _tiny_config(family: str):
-    common = dict(vocab_size=TINY_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+def _tiny_config(family: str, vocab: int = TINY_VOCAB):
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -115,12 +115,17 @@ def as_dtype(dtype) -> torch.dtype:
                      f"got {dtype!r}")
 
 
-def tiny(family: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+def tiny(family: str, seed: int = 0, dtype=torch.float32,
+         vocab: int = TINY_VOCAB) -> torch.nn.Module:
     """A seeded tiny causal LM of ``family`` (one of ``FAMILIES``), in eval mode: weights
-    drawn in fp32 (the same for every dtype), then cast to ``dtype``."""
+    drawn in fp32 (the same for every dtype), then cast to ``dtype``; ``vocab`` tokens (at
+    least 3: ids 1 and 2 are bos and eos)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _tiny_config(family)
+    if type(vocab) is not int or vocab < 3:
+        raise ValueError(f"a tiny model's vocab must be an integer >= 3 (ids 1 and 2 are bos "
+                         f"and eos), got {vocab!r}")
+    cfg = _tiny_config(family, vocab)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -136,9 +141,9 @@ def tiny(family: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
 
 
 def tiny_draft(family: str, seed: int = 0, noise: float = 0.03,
-               dtype=torch.float32) -> torch.nn.Module:
-    """A draft for ``tiny(family, seed)``: its weights plus seeded relative noise."""
-    model = tiny(family, seed)
+               dtype=torch.float32, vocab: int = TINY_VOCAB) -> torch.nn.Module:
+    """A draft for ``tiny(family, seed, vocab=vocab)``: its weights plus seeded relative noise."""
+    model = tiny(family, seed, vocab=vocab)
     g = torch.Generator().manual_seed(10_000 + seed)
     with torch.no_grad():
         for p in model.parameters():

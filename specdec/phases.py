@@ -9,6 +9,10 @@ imports neither the engine nor any strategy. Two objects travel through every ca
 - ``State``: what changes during the run (steps done, the batch index, the layout profile
   the next views carry, the counters in ``Stats``, the strategy's extra view facts).
 
+The verify phase's choice at each position is ``sampling.choose``: the argmax (greedy),
+or when the run samples (``Context.sampling``) the coupled choice or rejection sampling's
+choice; the commit is the same greedy acceptance over it in every case.
+
 After each phase every hook is called as ``hook(phase, view)`` with a read-only
 ``invariants.StepView`` (``RaggedBatch.view``); nothing is built when there are no hooks.
 
@@ -46,7 +50,8 @@ import torch
 
 from invariants.view import ForwardRecord, StepView
 
-from . import acceptance, layout, validation
+from . import acceptance, layout, sampling, validation
+from .sampling import Sampling
 from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad, rows_where
 from .models import vocab_size
@@ -131,6 +136,8 @@ class Context:
     target_window: int | None = None
     # the target's vocabulary size (every draft is checked against it); 0: the target's
     vocab: int = 0
+    # how tokens are chosen (specdec.sampling.Sampling); None: greedy (the argmax)
+    sampling: Sampling | None = None
     # the draft-length policy (specdec.policy; begun by generate); None: FixedPolicy
     policy: object = None
     # () -> seconds: the clock step costs are measured with for the policy (``step_clock``)
@@ -189,8 +196,9 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
     lag = k + 1 if batch.draft_cache is not None and phase in ("draft", "verify", "commit") else 0
     view = batch.view(
         step=state.step, phase=phase, profile=state.profile, k=k,
-        stop_token_ids=ctx.stop_tuple, model=ctx.target, draft_cache_lag=lag,
+        stop_token_ids=ctx.stop_tuple, model=ctx.target, draft_cache_lag=lag, sampling=ctx.sampling,
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
+              **({"sampling": ctx.sampling.as_dict()} if ctx.sampling is not None else {}),
               **(state.info() if state.info is not None else {})}, **extra)
     watch = validation.HookWatch(view, batch.stores())
     try:
@@ -262,7 +270,8 @@ class Spec:
     drafts: torch.Tensor
     # [B] long: drafts each row may use, min(k_b, remaining - 1)
     limit: torch.Tensor
-    # [B, k+1] long: target argmax at pending and each draft
+    # [B, k+1] long: the target's choice at pending and each draft (greedy: the argmax;
+    # sampling: see specdec.sampling.choose)
     predictions: torch.Tensor
     # [B] long
     accepted: torch.Tensor
@@ -279,6 +288,19 @@ class Spec:
     def k(self) -> int:
         """Drafts of this step (its verify forward covered ``k + 1`` tokens per row)."""
         return self.drafts.shape[1]
+
+
+def propose(ctx: Context, batch: RaggedBatch, k: int, step: int):
+    """(the drafter's proposals, the draft model's logits [B, k+1, V] or None).
+
+    When the run samples, a drafter with ``propose_sampled`` (a draft model) chooses its
+    drafts by the run's rule and returns its logits (rejection sampling needs its
+    distribution ``q``); any other drafter is a point mass (logits None)."""
+    if ctx.sampling is not None and hasattr(ctx.drafter, "propose_sampled"):
+        proposed, logits = ctx.drafter.propose_sampled(batch, k, ctx.sampling)
+        validation.draft_logits(logits, batch.batch_size, k, batch.device, ctx.vocab, step)
+        return proposed, logits
+    return ctx.drafter.propose(batch, k), None
 
 
 @dataclass
@@ -305,7 +327,7 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     remaining = batch.remaining
     lengths = ctx.policy.lengths(batch, k)  # [B] long, each <= k
     limit = layout.draft_limit(layout.TORCH, lengths, remaining)
-    proposed = ctx.drafter.propose(batch, k)
+    proposed, draft_logits = propose(ctx, batch, k, state.step)
     # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
     # the forward and flagged, and the flag is read with the step's one sync (``sync``)
     drafts, bad = validation.checked_drafts(proposed, b, k, dev, ctx.vocab, state.step)
@@ -325,7 +347,9 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     cache_before = batch.target_cache.width
     logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
                                key_positions=kpos)
-    predictions = logits.argmax(dim=-1)
+    # the choice at each position: argmax, coupled choice, or rejection sampling's choice
+    predictions = sampling.choose(logits, ctx.sampling, batch.row_ids, batch.generated[:, None] + i,
+                                  drafts, draft_logits)
     t = timed(state, "verify", t)
     emit(ctx, state, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          forward=ForwardRecord(inputs, positions, mask, cache_before))

@@ -1,4 +1,5 @@
-"""Standard greedy decoding of the target: the ground truth for output equivalence.
+"""Standard decoding of the target, greedy or sampled: the ground truth for output
+equivalence.
 
 Batch 1, or left-padded batches (every row grows by one token per step, so no
 realignment is needed: the mask and positions simply extend). It runs through the same
@@ -14,28 +15,40 @@ import torch
 from . import cache as cache_mod
 from . import layout
 from .batch import left_pad
+from . import sampling as sampling_mod
 from . import validation
 from .models import stop_token_ids as model_stop_ids
 
 
 @torch.no_grad()
 def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
-                       tokenizer=None, return_margins=False):
-    """Greedy ids per prompt (stop token included where one ended the row).
+                       tokenizer=None, return_margins=False, sampling=None):
+    """Generated ids per prompt (stop token included where one ended the row): greedy, or
+    plain sampling with ``sampling`` (a ``specdec.Sampling``; request i samples with
+    (seed, i), so a row's ids depend only on its prompt, the seed, i and the parameters,
+    not on the batch size). Mode "coupled": the coupled choice at every position;
+    "rejection": inverse-CDF samples of the resample stream (what the rejection engine
+    does with k = 0).
 
-    With ``return_margins=True`` also returns, per prompt, the top-1 minus top-2 logit
-    margin of the target at every generated position (a list of floats).
+    With ``return_margins=True`` also returns, per prompt, the top-1 minus top-2 margin of
+    the scores the choice maximised (greedy: the logits; coupled: ``logits / T + G``) at
+    every generated position (a list of floats; not defined in rejection mode).
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     """
     cache_mod.check_transformers()  # first: it decodes through the engine's cache
     ids, max_new_tokens, batch_size, stops = _checked_request(
         target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
+    sampling = sampling_mod.checked(sampling)
+    if return_margins and sampling is not None and sampling.mode != "coupled":
+        raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
+                         "sampling maximises no score (its tokens are random samples)")
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
     for start in range(0, len(ids), batch_size):
         chunk = ids[start : start + batch_size]
-        out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev)
+        out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling, start,
+                                  return_margins)
         seqs.extend(out)
         margins.extend(marg)
     return (seqs, margins) if return_margins else seqs
@@ -51,7 +64,7 @@ def _checked_request(target, prompts, tokenizer, max_new_tokens, batch_size, sto
     return ids, max_new_tokens, batch_size, model_stop_ids(target) if stops is None else stops
 
 
-def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
+def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_row, margins):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
@@ -60,11 +73,14 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
     pos = lengths.clone()
     outs, margs = [], []
     alive = torch.ones(b, dtype=torch.bool, device=dev)
-    for _ in range(max_new_tokens):
-        top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else logits[:, :1].repeat(1, 2)
-        nxt = logits.argmax(dim=-1)
+    row_ids = first_row + torch.arange(b, device=dev)  # request index of each row
+    no_drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
+    for t in range(max_new_tokens):
+        at = torch.full((b, 1), t, dtype=torch.long, device=dev)  # output position
+        nxt = sampling_mod.choose(logits[:, None], sampling, row_ids, at, no_drafts)[:, 0]
         outs.append(nxt)
-        margs.append(top2[:, 0] - top2[:, 1])
+        if margins:
+            margs.append(sampling_mod.choice_margins(logits, sampling, row_ids, at[:, 0]))
         alive = alive & ~torch.isin(nxt, stop_t)
         if not bool(alive.any()) or len(outs) == max_new_tokens:
             break
@@ -72,7 +88,7 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev):
         logits = cache_mod.forward(target, nxt[:, None], pos[:, None], mask, cache)[:, -1]
         pos = pos + 1
     out = torch.stack(outs, dim=1).tolist()
-    marg = torch.stack(margs, dim=1).tolist()
+    marg = torch.stack(margs, dim=1).tolist() if margins else [[] for _ in out]
     stop_set = set(stop_t.tolist())
     seqs, margins = [], []
     for row, mrow in zip(out, marg):  # host-side trimming of the final result

@@ -108,16 +108,32 @@ def integer(value, name: str, *, minimum: int | None = None, maximum: int | None
     return v
 
 
+def _real(value, rule: str) -> float:
+    """``value`` as a float when it is a real number (int or float, not a bool), else
+    TypeError stating ``rule``."""
+    if _is_bool(value) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{rule}, got {describe(value)}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{rule}, got {describe(value)}") from None
+
+
 def number(value, name: str, low: float, high: float) -> float:
     """A real number (int or float, not a bool) in ``[low, high]``."""
-    if _is_bool(value) or isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a number in [{low}, {high}], got {describe(value)}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in [{low}, {high}], got {describe(value)}") from None
+    rule = f"{name} must be a number in [{low}, {high}]"
+    v = _real(value, rule)
     if not low <= v <= high:  # NaN fails too
-        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{rule}, got {value!r}")
+    return v
+
+
+def positive_number(value, name: str, *, hint: str = "") -> float:
+    """A finite real number > 0 (int or float, not a bool)."""
+    rule = f"{name} must be a finite number > 0" + (f" ({hint})" if hint else "")
+    v = _real(value, rule)
+    if not 0 < v < float("inf"):  # NaN fails too
+        raise ValueError(f"{rule}, got {value!r}")
     return v
 
 
@@ -356,6 +372,19 @@ def checked_drafts(drafts, batch_size: int, k: int, device, vocab: int, step: in
     return safe, safe != drafts
 
 
+def draft_logits(logits, batch_size: int, k: int, device, vocab: int, step: int) -> None:
+    """The draft model's logits of ``propose_sampled``: a floating tensor [B, k+1, V] on
+    the batch's device (host facts only)."""
+    where = (f"drafter.propose_sampled must return (drafts, logits) with logits a floating "
+             f"tensor [B, k+1, V] = [{batch_size}, {k + 1}, {vocab}]")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{where}; at step {step} it returned {describe(logits)}")
+    if not logits.dtype.is_floating_point or logits.device != device \
+            or tuple(logits.shape) != (batch_size, k + 1, vocab):
+        raise ValueError(f"{where} on {device}; at step {step} it returned dtype {logits.dtype}, "
+                         f"shape {list(logits.shape)} on {logits.device}")
+
+
 def raise_bad_drafts(proposed: torch.Tensor, bad: torch.Tensor, row_ids: torch.Tensor,
                      vocab: int, step: int):
     """The error for flagged drafts (called after the step's host read found a flag)."""
@@ -476,7 +505,9 @@ def writable_dir(path, what: str) -> Path:
 # ---------------------------------------------------------------------------------------
 
 RUN_FIELDS = ("model", "prompts", "drafter", "strategy", "k", "batch_size", "max_new_tokens",
-              "stop_token_ids", "known_bad", "mutant")
+              "stop_token_ids", "known_bad", "mutant", "sampling")
+#: the fields of a run spec's "sampling" object (``specdec.Sampling``'s, which checks values)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "mode")
 DRAFTER_FIELDS = {"ngram": (), "model": ("model",), "scripted": ("scripts",),
                   "forcing": ("reference", "pattern")}
 
@@ -530,6 +561,14 @@ def run_spec(spec, *, strategy_names=(), known_bad_names=()) -> dict:
         choice(spec.get("strategy", "eqspec"), "run spec 'strategy'", tuple(strategy_names))
     if spec.get("mutant") is not None:
         choice(spec["mutant"], "run spec 'mutant'", mutants.NAMES)
+    smp = spec.get("sampling")
+    if smp is not None:
+        if not isinstance(smp, dict) or set(smp) - set(SAMPLING_FIELDS):
+            raise ValueError(f"run spec 'sampling' must be null or an object with fields among "
+                             f"{', '.join(SAMPLING_FIELDS)}, got {describe(smp)}")
+        if known_bad is not None:
+            raise ValueError("run spec 'sampling' does not apply to a known_bad run (the "
+                             "known-bad engine decodes greedily); remove one of them")
     integer(spec.get("k", 4), "run spec 'k' (drafts per step)", minimum=0)
     integer(spec.get("batch_size", 8), "run spec 'batch_size'", minimum=1)
     integer(spec.get("max_new_tokens", 16), "run spec 'max_new_tokens'", minimum=1)

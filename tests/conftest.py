@@ -19,6 +19,7 @@ torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 
 def pytest_collection_modifyitems(config, items):
     campaign.skip_campaign_cases(items)  # slow cases run under the campaign profiles only
+    _skip_slow(items)
     from specdec.cache import SUPPORTED_TRANSFORMERS, transformers_supported
 
     if transformers_supported():
@@ -29,6 +30,16 @@ def pytest_collection_modifyitems(config, items):
                                    f"{SUPPORTED_TRANSFORMERS}.x, found {transformers.__version__}")
     for item in items:
         if "engine" in item.keywords:
+            item.add_marker(skip)
+
+
+def _skip_slow(items):
+    """``slow`` tests (long statistical runs) run only with SPECDEC_SLOW=1."""
+    if os.environ.get("SPECDEC_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="a long statistical run: set SPECDEC_SLOW=1 (the slow profile)")
+    for item in items:
+        if "slow" in item.keywords:
             item.add_marker(skip)
 
 

@@ -100,7 +100,9 @@ class CommitRecorder:
 
 def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=None, target=None,
              raise_on_violation: bool = False) -> Outcome:
-    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default).
+    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default);
+    with ``case.sampling`` (coupled) the reference and the forced drafts are those of plain
+    coupled sampling.
 
     ``mutant`` (a name of specdec.mutants; default: the drill's ``$SPECDEC_MUTANT``,
     tests/campaign.py) applies to the engine run only: the reference is always computed
@@ -117,7 +119,8 @@ def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=
     target = target if target is not None else tiny_target(case.family)
     prompts = case_prompts(case)
     free = free_reference(target, prompts, case.budget,
-                          key=(id(target), tuple(case.lengths), case.budget, case.seed))
+                          key=(id(target), tuple(case.lengths), case.budget, case.seed, case.sampling),
+                          sampling=case.sampling)
     stops = models.stop_token_ids(target)
     if case.stop is not None:
         row, off = case.stop
@@ -174,7 +177,8 @@ def _run_engine(case, target, prompts, drafter, stops, strategy, known_bad, hook
     if known_bad is None:
         return specdec.generate(target, prompts, drafter=drafter, strategy=strategy, k=case.k,
                                 batch_size=case.batch_size, max_new_tokens=case.budget,
-                                stop_token_ids=stops, hooks=hooks, policy=policy).sequences
+                                stop_token_ids=stops, hooks=hooks, policy=policy,
+                                sampling=case.sampling).sequences
     from specdec.forensics.known_bad import generate_known_bad
 
     fault = None if known_bad == NAIVE else known_bad

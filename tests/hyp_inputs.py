@@ -78,9 +78,20 @@ def stop_placements(rows: int, budget: int):
     return st.one_of(st.none(), st.tuples(st.integers(0, rows - 1), st.integers(0, budget - 1)))
 
 
+def samplings(modes=("coupled",)):
+    """A sampling configuration: any 64-bit seed, temperature 0.1 to 1.5, top-k from none
+    to 1 (greedy-like) and top-p from none to 0.3 (shrinking toward no cut)."""
+    from specdec import Sampling
+
+    return st.builds(Sampling, temperature=st.floats(0.1, 1.5),
+                     top_k=st.sampled_from((0, 1, 3, 20)),
+                     top_p=st.one_of(st.just(1.0), st.floats(0.3, 1.0)),
+                     seed=st.integers(0, 2**64 - 1), mode=st.sampled_from(modes))
+
+
 @dataclass
 class Case:
-    """One adversarial workload."""
+    """One adversarial workload (``sampling``: None for greedy decoding)."""
 
     family: str
     lengths: list
@@ -95,6 +106,7 @@ class Case:
     # per row, per step: the draft length k_b (ForcedPolicy); None: every row drafts k
     draft_lengths: list | None = None
     vocab: int | None = None  # prompt ids are drawn below it (None: the tiny vocabulary)
+    sampling: object = None
 
     @property
     def rows(self) -> int:
@@ -104,11 +116,12 @@ class Case:
 @st.composite
 def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3"),
           max_rows: int = 16, max_budget: int = 12, context: int = 256, ks=(1, 2, 3, 4, 8),
-          strategies=None, shortest: int = 1, vocab: int | None = None):
+          strategies=None, shortest: int = 1, vocab: int | None = None, sampled: bool = False):
     """A whole workload. Rows are drawn as one list of (prompt length, own accepted counts,
     own draft lengths) so that shrinking deletes whole rows; the pattern kinds shape every
     row's counts and lengths. ``shortest``: the shortest prompt (past a sliding window, for
-    instance); ``vocab``: prompt ids are drawn below it (default: the tiny models' vocabulary)."""
+    instance); ``vocab``: prompt ids are drawn below it (default: the tiny models' vocabulary);
+    ``sampled``: greedy or coupled sampling (``samplings``), shrinking toward greedy."""
     family = draw(st.sampled_from(families))
     k = draw(st.sampled_from(ks))
     budget = draw(st.integers(1, max_budget))
@@ -132,6 +145,7 @@ def cases(draw, families=("llama", "qwen3", "glm4", "gpt2", "mistral", "gemma3")
 
         strategies = names()
     strategy = draw(st.sampled_from(strategies))
+    sampling = draw(st.one_of(st.none(), samplings())) if sampled else None
     return Case(family, lengths, budget, k, batch_size, pattern, stop, seed,
                 note={"kind": kind, "lengths": length_kind}, strategy=strategy, draft_lengths=kbs,
-                vocab=vocab)
+                vocab=vocab, sampling=sampling)

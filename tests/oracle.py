@@ -1,6 +1,6 @@
 """Reference oracles the engine's output is compared with: Hugging Face ``generate`` at
-batch 1, and the engine package's own batch-1 greedy decoding without stop tokens (cut at
-a chosen stop token afterwards)."""
+batch 1, and the engine package's own batch-1 decoding (greedy, or coupled sampling)
+without stop tokens (cut at a chosen stop token afterwards)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[i
     return ids
 
 
-def free_reference(target, prompts, budget, key=None):
-    """Batch-1 greedy continuations without stop tokens (memoised per key)."""
+def free_reference(target, prompts, budget, key=None, sampling=None):
+    """Batch-1 continuations without stop tokens, greedy or sampled (memoised per key)."""
     import specdec
 
     if key is None or key not in _FREE:
-        ref = specdec.reference_generate(target, prompts, max_new_tokens=budget, stop_token_ids=[])
+        ref = specdec.reference_generate(target, prompts, max_new_tokens=budget, stop_token_ids=[],
+                                         sampling=sampling)
         if key is None:
             return ref
         _FREE[key] = ref
@@ -34,7 +35,8 @@ def free_reference(target, prompts, budget, key=None):
 
 
 def cut_at_stop(seqs, stop_ids):
-    """Greedy output with stop tokens = the free continuation cut after the first stop."""
+    """Output with stop tokens = the free continuation cut after the first stop (greedy or
+    coupled sampling: the token at a position does not depend on what comes later)."""
     out = []
     for s in seqs:
         cut = next((i + 1 for i, t in enumerate(s) if t in stop_ids), len(s))

@@ -221,3 +221,26 @@ def test_stop_ids_reach_the_device_without_an_upload():
     mon = watch_hook(Monitor("fast"))
     specdec.generate(target, PROMPTS[:2], k=2, max_new_tokens=6, stop_token_ids=many, hooks=[mon])
     assert zero(mon.total()) and mon.hook.check() == []
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mode", ("coupled", "rejection"))
+def test_sampling_runs_keep_the_checkers_transfer_free(mode):
+    """A sampling engine hands the checkers the same tensors (its choices in place of the
+    argmax): the fast Monitor still transfers nothing inside its hooks, the strict one
+    reads once per step, and the run passes both."""
+    target, draft = tiny_pair("llama")
+    sampling = specdec.Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=5, mode=mode)
+    fast, strict = watch_hook(Monitor("fast")), watch_hook(Monitor("strict"))
+    res = specdec.generate(target, PROMPTS, drafter=drafters.ModelDrafter(draft), k=3,
+                           batch_size=3, max_new_tokens=BUDGET, hooks=[fast, strict],
+                           sampling=sampling)
+    assert fast.hook.check() == [] and strict.hook.check() == []
+    if mode == "coupled":
+        assert res.sequences == specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET,
+                                                           sampling=sampling)
+    assert zero(fast.total()), fast.events()[:3]
+    per_step = strict.per_step()
+    steps = {s for s, phase, _ in strict.calls if phase == "commit"}
+    assert steps and {s: per_step[s]["read"] for s in steps} == {s: 1 for s in steps}
+    assert all(c["upload"] == 0 and c["dynamic_shape"] == 0 for c in per_step.values())

@@ -17,12 +17,26 @@ tokens) are counted apart from the other desyncs. The report states the dtype, t
 and the draft-length policy, and keeps every near-tie's and desync's evidence (margin,
 gaps, spread, in logits and in ulps) in report.json.
 
+Sampling engines. ``coupled:<strategy>``: the strategy with coupled sampling (the
+audit's ``sampling``, mode coupled) on the same model, prompts, drafter and policy,
+interleaved with the others, under a strict Monitor, judged by the same oracle against
+batch-1 plain coupled sampling (``compare_outputs(sampling=)``: the oracle judges the
+coupled scores; request indices as in the engine's own call, one per batch).
+``rejection:<strategy>``: the strategy with speculative rejection sampling, whose output
+equals no reference: a distribution test on a tiny model (``distribution.run``: tiny
+Llama with vocabulary 8 and its draft model, chi-square against the exact distribution of
+3-token continuations), run once after the interleaved batches and reported with its
+p-value; it passes when ``p >= distribution.ALPHA``. The known-bad sampling engines
+(``sampling_faults.FAULTS``: (g), (h), (i)) run the same distribution test with their
+fault, and should fail it.
+
 The report (``Report``) prints as a table; ``write(dir)`` saves report.md, report.json and
 two PNG figures. An interrupt (Ctrl-C) keeps the batches every engine finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .. import strategies
+from ..sampling import Sampling
 from .plots import phase_shares, save, stacked_phase_shares
 
 #: engines that are no speculative loop (one token per row per forward, no Monitor)
@@ -38,15 +53,36 @@ PLAIN = ("standard", "hf_generate")
 
 
 def correct_names() -> tuple[str, ...]:
-    """The engines expected to be exact: batched standard decoding, Hugging Face's batched
-    ``generate`` and every strategy."""
-    return PLAIN + strategies.names()
+    """The engines expected to be exact (batched standard decoding, Hugging Face's batched
+    ``generate``, every strategy, every strategy with coupled sampling) or lossless in
+    distribution (every strategy with rejection sampling)."""
+    names = strategies.names()
+    return (PLAIN + names + tuple(f"coupled:{n}" for n in names)
+            + tuple(f"rejection:{n}" for n in names))
 
 
 def engine_names() -> tuple[str, ...]:
     from .known_bad import KNOWN_BAD
+    from .sampling_faults import NAMES
 
-    return correct_names() + tuple(KNOWN_BAD)
+    return correct_names() + tuple(KNOWN_BAD) + NAMES
+
+
+def distribution_names() -> tuple[str, ...]:
+    """The engines judged by the distribution test (see the module docstring)."""
+    from .sampling_faults import NAMES
+
+    return tuple(f"rejection:{n}" for n in strategies.names()) + NAMES
+
+
+def description(name: str) -> str:
+    """What an engine is: "correct engine", or the known-bad reproduction's fault."""
+    from .known_bad import KNOWN_BAD
+    from .sampling_faults import FAULTS
+
+    if name in KNOWN_BAD:
+        return KNOWN_BAD[name]
+    return FAULTS[name].description if name in FAULTS else "correct engine"
 
 
 def check_engines(engines: list) -> list:
@@ -82,6 +118,8 @@ class EngineReport:
     description: str = ""
     oracle_seconds: float = 0.0
     divergences: list = field(default_factory=list)  # per diverging row: its evidence
+    # distribution engines: the chi-square test (distribution.Outcome.as_json())
+    distribution: dict | None = None
 
 
 @dataclass
@@ -107,6 +145,8 @@ class Report:
                 f"{'exact':>6} {'ties':>4} {'desync':>6} {'overrun':>7} {'viol':>5}  first violation")
         lines = [head, "-" * (len(head) + 18)]
         for e in self.engines:
+            if e.distribution is not None or (e.error and e.name in distribution_names()):
+                continue
             fv = e.first_violation
             first = f"{fv['invariant']} step {fv['step']} {fv['phase']}" if fv else "-"
             if e.error:
@@ -117,6 +157,7 @@ class Report:
             lines.append(f"{e.name:<22} {'yes' if e.expected_correct else 'BAD':<4} "
                          f"{e.tokens_per_s:>7.1f} {sp:>7} {spread:>10} {acc:>6} {e.exact_match * 100:>5.0f}% "
                          f"{e.near_ties:>4} {e.desyncs:>6} {e.overruns:>7} {e.violations:>5}  {first}")
+        lines += self.distribution_table()
         samples = [e for e in self.engines if e.sample]
         if samples:
             lines.append("")
@@ -125,12 +166,39 @@ class Report:
                 lines.append(f"  {e.name}: {e.sample}")
         return "\n".join(lines)
 
+    def distribution_table(self) -> list[str]:
+        """The distribution tests, one line each (empty when none ran)."""
+        from .distribution import ALPHA, Config
+
+        rows = [e for e in self.engines if e.name in distribution_names()]
+        if not rows:
+            return []
+        c = Config()
+        lines = ["", f"distribution tests (rejection sampling; tiny {c.family}, vocabulary {c.vocab}, "
+                     f"{c.samples} samples of {c.new_tokens} tokens, k={c.k}, draft model, "
+                     f"fixed policy; pass: p >= {ALPHA:g}):",
+                 f"{'engine':<22} {'ok?':<4} {'p-value':>9} {'chi2':>9} {'df':>4} {'accept':>6} "
+                 f"{'viol':>5}  verdict"]
+        for e in rows:
+            d = e.distribution
+            if d is None:
+                lines.append(f"{e.name:<22} {'yes' if e.expected_correct else 'BAD':<4} error: {e.error}")
+                continue
+            verdict = "pass" if d["passed"] else "FAIL"
+            lines.append(f"{e.name:<22} {'yes' if e.expected_correct else 'BAD':<4} "
+                         f"{d['p_value']:>9.3g} {d['statistic']:>9.1f} {d['df']:>4} "
+                         f"{d['acceptance']:>6.2f} {e.violations:>5}  {verdict}")
+        return lines
+
     def header(self) -> str:
         s = self.settings
+        smp = s.get("sampling")
         return (f"model {self.model} ({s.get('dtype', 'float32')}), {self.prompts} prompts, "
                 f"batch {s['batch_size']}, k={s['k']}, {s['max_new_tokens']} new tokens, "
                 f"drafter {s['drafter']}"
                 + (f", policy {s['policy']}" if s.get("policy") else "")
+                + (f"; sampling engines: temperature {smp['temperature']}, top-k {smp['top_k']}, "
+                   f"top-p {smp['top_p']}, seed {smp['seed']}" if smp else "")
                 + (" (interrupted: partial report)" if self.interrupted else "")
                 + (f"\noracle: {s['oracle']}" if s.get("oracle") else ""))
 
@@ -159,6 +227,8 @@ def _plots(report: Report, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for e in report.engines:
+        if e.name in distribution_names():  # judged by a p-value, not by exact match
+            continue
         mark, color = ("o", "tab:green") if e.expected_correct else ("x", "tab:red")
         ax.scatter(e.tokens_per_s, e.exact_match * 100, marker=mark, color=color, s=60)
         ax.annotate(e.name, (e.tokens_per_s, e.exact_match * 100), fontsize=7,
@@ -214,16 +284,19 @@ def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | Non
 def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch_size=8, k=4,
               max_new_tokens=32, drafter_factory=None, drafter_name="ngram", progress=None,
               report: Report | None = None, tolerance: float | None = None,
-              policy="adaptive") -> Report:
+              policy="adaptive", sampling=None) -> Report:
     """Run every engine in ``engines`` on ``ids``; fills and returns ``report``.
     ``tolerance``: the oracle's rule (None: calibrated; see ``invariants.equivalence``).
+    ``sampling``: the parameters of the sampling engines (``specdec.Sampling``; its mode
+    is set per engine; default ``Sampling()``).
 
     The engines are interleaved batch by batch (round-robin, the order rotating from one
     batch to the next): every engine decodes the first ``batch_size`` prompts, then every
     engine the next ones, and so on, so their speeds are taken under the same machine
     noise. An engine's tokens/s is over all its batches; ``speedup_spread`` is the range
     of its per-batch speedups over standard decoding of the same batch. A correct engine
-    stopped by a violation sits out the remaining batches."""
+    stopped by a violation sits out the remaining batches. The distribution engines run
+    once each, after the batches."""
     import invariants
     from invariants.equivalence import rule_text
 
@@ -238,22 +311,34 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
     report.settings["dtype"] = str(next(target.parameters()).dtype).replace("torch.", "")
     report.settings["oracle"] = rule_text(tolerance)
     report.settings.setdefault("policy", policy if isinstance(policy, str) else type(policy).__name__)
+    sampling = sampling or Sampling()
+    coupled = dataclasses.replace(sampling, mode="coupled")
+    if any(e.startswith("coupled:") or e in distribution_names() for e in engines):
+        report.settings["sampling"] = {n: v for n, v in sampling.as_dict().items() if n != "mode"}
+    batches = [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
+    # request index of each prompt in its engine call (one call per batch: 0 .. b-1)
+    requests = [r - rows[0] for rows in batches for r in rows]
     t0 = time.perf_counter()
     ref = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens, batch_size=1)
     report.reference_seconds = time.perf_counter() - t0
+    coupled_ref = None
+    if any(e.startswith("coupled:") for e in engines):  # the reference of coupled engines
+        coupled_ref = [seq for rows in batches for seq in reference.reference_generate(
+            target, [ids[r] for r in rows], max_new_tokens=max_new_tokens, batch_size=1,
+            sampling=coupled)]
     if progress:
         progress(1)
-    batches = [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
-    runs = {name: _EngineRun(name, len(ids)) for name in engines}
+    interleaved = [e for e in engines if e not in distribution_names()]
+    runs = {name: _EngineRun(name, len(ids)) for name in interleaved}
     done = 0  # batches every engine ran
     try:
         for index, rows in enumerate(batches):
-            shift = index % len(engines)
-            for name in engines[shift:] + engines[:shift]:
+            shift = index % max(len(interleaved), 1)
+            for name in interleaved[shift:] + interleaved[:shift]:
                 runs[name].run_batch(target, [ids[r] for r in rows], rows, batch_size=batch_size,
                                      k=k, max_new_tokens=max_new_tokens,
                                      drafter_factory=drafter_factory, model_name=model_name,
-                                     policy=policy)
+                                     policy=policy, sampling=coupled)
                 if progress:  # once per engine and batch
                     progress(1)
             done += 1
@@ -263,9 +348,20 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             run.keep(done)
         covered = sum(len(rows) for rows in batches[:done])
         ids, ref = ids[:covered], ref[:covered]
+        requests = requests[:covered]
+        coupled_ref = coupled_ref[:covered] if coupled_ref is not None else None
         report.prompts = covered
     standard = runs.get("standard")
     for name in engines:
+        if name in distribution_names():
+            rep = EngineReport(name=name, expected_correct=name in correct_names(),
+                               description=description(name))
+            if not report.interrupted:
+                _distribution_engine(rep, name, sampling, model_name)
+                if progress:
+                    progress(1)
+            report.engines.append(rep)
+            continue
         run = runs[name]
         rep = run.report
         rep.seconds = sum(run.batch_seconds)
@@ -285,10 +381,13 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             rep.phase_shares = phase_shares({p: sum(st.seconds[p] for st in run.stats)
                                              for p in run.stats[0].seconds})
         seqs = run.seqs[: len(ids)]
+        run_sampling = coupled if name.startswith("coupled:") else None
         t0 = time.perf_counter()
         comparison = invariants.compare_outputs(
-            target, ids, seqs, ref, max_new_tokens=max_new_tokens, tolerance=tolerance,
-            batch_size=batch_size, chunk=1 if name in PLAIN else k + 1)
+            target, ids, seqs, ref if run_sampling is None else coupled_ref,
+            max_new_tokens=max_new_tokens, tolerance=tolerance, batch_size=batch_size,
+            chunk=1 if name in PLAIN else k + 1, sampling=run_sampling,
+            requests=requests if run_sampling is not None else None)
         rep.oracle_seconds = time.perf_counter() - t0
         exact, near, desync, overrun, first_bad, rep.divergences = _classify(comparison)
         rep.exact_match = exact / len(ids)
@@ -298,9 +397,42 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
             v = run.violations[0]
             rep.first_violation = {"invariant": v.invariant, "step": v.step, "phase": v.phase,
                                    "rows": list(v.rows), "rule": (v.rules or [""])[0]}
-        rep.sample = _sample(tokenizer, seqs, ref, first_bad)
+        rep.sample = _sample(tokenizer, seqs, ref if run_sampling is None else coupled_ref,
+                             first_bad)
         report.engines.append(rep)
     return report
+
+
+def _distribution_engine(rep: EngineReport, name: str, sampling, model_name: str) -> None:
+    """Fill ``rep`` with the distribution test of engine ``name`` (rejection sampling)."""
+    import invariants
+
+    from . import distribution
+    from .sampling_faults import FAULTS
+
+    fault = name if name in FAULTS else None
+    strategy = name.partition(":")[2] if fault is None else "eqspec"
+    mon = invariants.Monitor(mode="strict", raise_on_violation=rep.expected_correct,
+                             run={"engine": name, "model": "distribution test"})
+    try:
+        out = distribution.run(dataclasses.replace(sampling, mode="rejection"), drafter="model",
+                               strategy=strategy, fault=fault, hooks=[mon], engine=name)
+        mon.check()
+    except invariants.InvariantViolation as v:
+        if v not in mon.violations:
+            mon.violations.append(v)
+        rep.error = f"stopped by {v.invariant} at step {v.step}, {v.phase}"
+        out = None
+    rep.violations = len(mon.violations)
+    if mon.violations:
+        v = mon.violations[0]
+        rep.first_violation = {"invariant": v.invariant, "step": v.step, "phase": v.phase,
+                               "rows": list(v.rows)[:8], "rule": (v.rules or [""])[0]}
+    if out is not None:
+        rep.distribution = out.as_json()
+        rep.seconds, rep.acceptance = out.seconds, out.acceptance
+        rep.tokens = out.samples * distribution.Config().new_tokens
+        rep.tokens_per_s = rep.tokens / out.seconds if out.seconds else 0.0
 
 
 class _EngineRun:
@@ -308,18 +440,17 @@ class _EngineRun:
     tokens and seconds, stats, violations."""
 
     def __init__(self, name: str, count: int):
-        from .known_bad import KNOWN_BAD
-
         self.name, self.correct = name, name in correct_names()
         self.report = EngineReport(name=name, expected_correct=self.correct,
-                                   description=KNOWN_BAD.get(name, "correct engine"))
+                                   description=description(name))
         self.seqs = [[] for _ in range(count)]
         self.batch_tokens, self.batch_seconds = [], []
         self.stats, self.violations = [], []
         self.stopped = False
 
     def run_batch(self, target, prompts, rows, *, batch_size, k, max_new_tokens, drafter_factory,
-                  model_name, policy) -> None:
+                  model_name, policy, sampling=None) -> None:
+        """Decode one batch (``sampling``: the coupled parameters ``coupled:*`` engines use)."""
         import invariants
 
         from .. import engine, reference
@@ -339,9 +470,11 @@ class _EngineRun:
                 seqs = reference.hf_generate(target, prompts, max_new_tokens=max_new_tokens,
                                              batch_size=batch_size)
             elif self.correct:
-                res = engine.generate(target, prompts, drafter=drafter_factory(), strategy=self.name,
+                mode, _, strategy = self.name.rpartition(":")  # "coupled:<strategy>" or a strategy
+                res = engine.generate(target, prompts, drafter=drafter_factory(), strategy=strategy,
                                       k=k, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                      hooks=[mon], policy=policy)
+                                      hooks=[mon], policy=policy,
+                                      sampling=sampling if mode == "coupled" else None)
                 seqs, stats = res.sequences, res.stats
             else:
                 seqs, stats = generate_known_bad(self.name, target, prompts, drafter=drafter_factory(),

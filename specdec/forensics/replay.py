@@ -7,7 +7,9 @@ A *run spec* is a JSON-able dict that fully describes a decoding run::
                 | {"kind": "scripted", "scripts": [[ids], ...]}
                 | {"kind": "forcing", "reference": [[ids], ...], "pattern": [[a, ...], ...]},
      "strategy": "eqspec", "k": 4, "batch_size": 8, "max_new_tokens": 16,
-     "stop_token_ids": null | [ids], "known_bad": null | NAME, "mutant": null | NAME}
+     "stop_token_ids": null | [ids], "known_bad": null | NAME, "mutant": null | NAME,
+     "sampling": null | {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": 0,
+                         "mode": "coupled" | "rejection"}}
 
 Every field is checked by ``specdec.validation.run_spec`` before anything runs (types,
 known strategies, drafters, known-bad engines and mutants, no unknown or inapplicable
@@ -17,8 +19,9 @@ field), then by the same checks as ``specdec.generate`` once the model is loaded
 ``run_spec(spec)`` runs it under a strict recording ``Monitor(run=spec)``, so every
 violation's trace carries the spec; ``replay(trace)`` re-runs the spec stored in a trace
 (an ``InvariantViolation`` JSON, or a proofs counterexample) and says whether the same
-violation (invariant, step, phase, rows) comes back. Tiny models are seeded and all
-decoding is greedy, so a replay is deterministic.
+violation (invariant, step, phase, rows) comes back. Tiny models are seeded and decoding
+is greedy or sampled with counter-based noise (``specdec.sampling``), so a replay is
+deterministic.
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ def run_spec(spec: dict, *, target=None) -> RunResult:
     import invariants
 
     from .. import engine, models, mutants, strategies, validation
+    from ..sampling import Sampling
     from .known_bad import KNOWN_BAD, generate_known_bad
 
     validation.run_spec(spec, strategy_names=strategies.names(), known_bad_names=tuple(KNOWN_BAD))
     json.dumps(spec)  # a spec must be JSON-able: it goes into traces
+    sampling = Sampling(**spec["sampling"]) if spec.get("sampling") is not None else None
     if target is None:
         target = models.resolve(spec.get("model", "default"))[0]
     drafter = make_drafter(spec, target)
@@ -77,7 +82,8 @@ def run_spec(spec: dict, *, target=None) -> RunResult:
                                          batch_size=spec.get("batch_size"), **common)
         else:
             seqs = engine.generate(target, spec["prompts"], strategy=spec.get("strategy", "eqspec"),
-                                   batch_size=spec.get("batch_size", 8), **common).sequences
+                                   batch_size=spec.get("batch_size", 8), sampling=sampling,
+                                   **common).sequences
     return RunResult(seqs, mon.check(), spec)
 
 
