@@ -12,9 +12,15 @@ given and, at the end, the outputs. From those it checks
 - **C2, greedy consistency** (``greedy=True``). A post-forward hook records each row's
   argmax at every position it computes (the first record of a position stands until a
   token before it is replaced). A token past the prompt that a later forward keeps at the
-  same position must equal the argmax recorded there. Drafts fed for verification are
-  exempt until a later forward keeps them. The loop decides from the very logits recorded,
-  so this holds exactly in bf16 as well.
+  same position must equal the argmax recorded there. A forward keeps a token it attends
+  as decided: presented by an earlier forward with the same context before it, and now in
+  a valid cached slot or the row's first valid new token (its predecessor's logits are
+  not computed here, so the loop chose it from earlier ones). Later new tokens are under
+  verification, drafts, even when an earlier forward presented them at the same place: a
+  row that drafts fewer tokens than the forward's width feeds drafts it does not verify,
+  and its drafter may propose them again next step. A loop without a cache attends
+  nothing as decided past its first token, so C2 leaves it to C3. The loop decides from
+  the very logits recorded, so this holds exactly in bf16 as well.
 - **C3, outputs** (``check_outputs``): each output is the row's committed chain, ends at
   its first stop token or has exactly ``max_new_tokens`` tokens; a row that ended early
   without a stop is reported with the argmax the model predicted there.
@@ -275,11 +281,13 @@ class Content:
         pos = self._consts.row(t, dev)  # [1, T]
         if valid is None:
             rank, n, col = pos[:, :s].expand(b, s), self._consts.count(s, b, dev), None
+            cached = self._consts.count(c, b, dev)  # [B] long: valid cached slots
         else:
             valid = valid.bool()
             rank = valid_before(valid)  # [B, S] long
             n = valid.sum(dim=1)  # [B]
             col = torch.where(valid, rank, t)
+            cached = valid[:, :c].sum(dim=1)
         # [B, T] long: the valid context read left to right, _END past its end
         ctx = torch.full((b, t + 1), _END, dtype=torch.long, device=dev)
         if col is None:
@@ -315,8 +323,14 @@ class Content:
         # presented before with the same context up to it: a token is kept only when
         # nothing before it changed
         same = eq.cumprod(dim=1).bool()
+        # attended without the logits it was chosen from being computed here: a valid
+        # cached slot, or the row's first valid new token (its predecessor is cached). A
+        # later new token is under verification in this forward, even when an earlier
+        # forward presented it at the same place (a draft the loop did not verify then,
+        # proposed again): it is kept only once a forward attends it as decided
+        decided = pos <= cached[:, None]
         changed = live & kept & ~eq
-        newly = live & ~kept & same & past
+        newly = live & ~kept & same & past & decided
         if self.spec.greedy:
             wrong = newly & (rec >= 0) & (ctx != rec)
         else:
@@ -325,7 +339,7 @@ class Content:
         gone = (chain >= 0) & ~kept & ((live & ~same) | ~in_ctx)
         first_gone = torch.where(gone, pos, t).amin(dim=1, keepdim=True)  # [B, 1]
         new = torch.stack([torch.where(rows, ctx, torch.where(kept | ~past, chain, -1)),
-                           (kept | (live & same)).long(),
+                           (kept | (live & same & (decided | ~past))).long(),
                            torch.where(pos > first_gone, -1, rec)], dim=2)
         self.state.index_copy_(0, idx, new)
         self._last = (idx, matched, valid, rank, s)
