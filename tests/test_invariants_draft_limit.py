@@ -61,6 +61,7 @@ def test_the_correct_engine_keeps_its_draft_limits():
     assert mon.check() == []
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["strict", "fast"])
 @pytest.mark.parametrize("strategy", ["eqspec", "exspec", "holes"])
 def test_the_unclipped_draft_limit_mutant_is_caught_by_the_monitor_alone(strategy, mode):

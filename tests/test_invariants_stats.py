@@ -19,6 +19,8 @@ import specdec
 from specdec import drafters, models, phases
 from specdec.strategies import exspec
 
+pytestmark = pytest.mark.engine  # every test runs specdec's engine
+
 torch.set_num_threads(1)
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3]]
