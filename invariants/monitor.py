@@ -70,8 +70,9 @@ snapshot, which the monitor keeps anyway, and one or two stacks) and the read
 expression over the rows of all of them, views of different widths padded on the left
 with invalid slots, which changes no row's flags; tested against each view alone on
 adversarial views). A view whose copy cannot be taken (another phase, shapes the fusion
-does not expect) is checked in its hook as before. Strict mode reads every step, so its
-fusions run in the hooks.
+does not expect) is checked in its hook as before; once ``MAX_WAITING`` views wait, they
+are checked in the hook (device ops, no read), which bounds the copies a long run keeps.
+Strict mode reads every step, so its fusions run in the hooks.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
@@ -101,6 +102,10 @@ from .view import PHASES, StepView
 
 #: phases at which deep mode recomputes the KV cache (draft and commit see the same cache)
 KV_PHASES = ("prefill", "verify", "realign")
+
+#: fast mode: at most this many views wait with copies of their inputs; past it they are
+#: checked in the hook (device ops only, no read), which bounds the memory of a long run
+MAX_WAITING = 192
 
 
 #: names in a group's ``reads`` that are monitor state, not view fields
@@ -275,6 +280,8 @@ class Monitor(Checker):
         entry = self._cheap(view)
         if entry is not None:
             self._pending.append(entry)
+        if len(self._deferred) >= MAX_WAITING:
+            self._settle()
         if self.mode != "fast" and self._pending and (self.read_every == "phase"
                                                       or phase == "commit"):
             self.read()  # strict: the one host read of the step
