@@ -22,10 +22,15 @@ repetition) so that ratios see the same machine noise:
 
 Printed per setting and strategy: the median wall seconds and process CPU seconds, the
 overhead of each against ``none`` (wall and CPU: the CPU figure is steadier on a shared
-machine), the share of the engine's time spent inside hooks, and whether the tokens equal
-the unchecked run's (``same``). Then, from one extra run per configuration outside the
-timing, what the checker does per engine step: aten ops dispatched inside the hooks, and
-host reads, uploads and data-dependent shapes seen by ``invariants.testing``.
+machine), the share of the engine's time spent inside hooks, ``mon cpu``: the Monitor's
+own CPU time (its hook calls and its ``check()``, thread CPU time) against the rest of
+the same run's CPU time, median over runs (measured inside each run, so it is the
+steadiest figure on a loaded machine; add the null hook's overhead, the engine's cost of
+building views, to compare it with a target), and whether the tokens equal the unchecked
+run's (``same``). Then, from one extra run per configuration outside the
+timing, what the checker does per engine step: aten ops dispatched inside the hooks (and,
+after a "+", those of its ``check()`` per step: fast mode checks the views that waited
+there), and host reads, uploads and data-dependent shapes seen by ``invariants.testing``.
 ``--json`` writes everything. Exit status 1 when any configuration changed the tokens.
 
     python benchmarks/monitor_overhead.py                          # both settings, CPU
@@ -52,6 +57,8 @@ from invariants.testing import watch_hook  # noqa: E402
 from specdec import drafters, models, prompts  # noqa: E402
 
 SETTINGS = ("cheap", "real")
+#: the configurations that hook a Monitor (their "mon cpu" column)
+MONITORS = ("fast", "strict", "strict-phase", "deep")
 CHEAP_MODEL = "tiny:llama"
 LLAMA_1B = "llama-1b-random"
 #: Llama-3.2-1B's shape (random weights)
@@ -124,8 +131,17 @@ def hooks_for(config: str, target):
 
 
 def run_once(config: str, target, ids, strategy: str, device: str, args, max_new=None):
-    """(wall seconds, CPU seconds, sequences, seconds inside hooks, steps) of one call."""
+    """(wall seconds, CPU seconds, sequences, seconds inside hooks, steps, CPU seconds of
+    the Monitor: its hook calls and its check) of one call."""
     hooks, mon, guard = hooks_for(config, target)
+    spent = [0.0]
+    if mon is not None:  # the Monitor's own CPU time, measured inside this very run
+        def hook(phase, view, mon=mon):
+            t0 = time.thread_time()
+            mon(phase, view)
+            spent[0] += time.thread_time() - t0
+
+        hooks = [hook]
     kw = dict(drafter=drafters.NGramDrafter(), k=args.k, batch_size=args.batch_size,
               max_new_tokens=max_new or args.max_new_tokens, strategy=strategy)
     sync(device)
@@ -136,10 +152,12 @@ def run_once(config: str, target, ids, strategy: str, device: str, args, max_new
     else:
         res = specdec.generate(target, ids, hooks=hooks, **kw)
         if mon is not None:
+            t0 = time.thread_time()
             mon.check()  # fast mode: the run's one host read belongs to its cost
+            spent[0] += time.thread_time() - t0
     sync(device)
     return (time.perf_counter() - w0, time.process_time() - c0, res.sequences,
-            res.stats.seconds.get("checks", 0.0), res.stats.steps)
+            res.stats.seconds.get("checks", 0.0), res.stats.steps, spent[0])
 
 
 def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | None:
@@ -167,11 +185,14 @@ def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | Non
     res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            strategy=strategy, hooks=[hook])
-    mon.check()
+    in_hooks = Count.ops
+    with Count():  # fast mode checks the views that waited here (device ops), then reads
+        mon.check()
     steps = max(res.stats.steps, 1)
     total = watched.total()
     most = max((c["read"] for c in watched.per_step().values()), default=0)
-    return {"ops_per_step": Count.ops / steps, "reads_per_step": total["read"] / steps,
+    return {"ops_per_step": in_hooks / steps, "check_ops_per_step": (Count.ops - in_hooks) / steps,
+            "reads_per_step": total["read"] / steps,
             "most_reads_in_a_step": most, "uploads": total["upload"],
             "dynamic_shapes": total["dynamic_shape"]}
 
@@ -190,16 +211,18 @@ def measure(setting: str, args) -> list[dict]:
         wall = {c: [] for c in configs}
         cpu = {c: [] for c in configs}
         inside = {c: [] for c in configs}
+        mon_cpu = {c: [] for c in configs}
         outputs, steps = {}, {}
         repeats = args.repeats if setting == "cheap" or args.real_repeats is None \
             else args.real_repeats
         for rep in range(repeats):
             order = configs[rep % len(configs):] + configs[: rep % len(configs)]
             for c in order:
-                w, p, seqs, hook_s, n = run_once(c, target, ids, strategy, device, args)
+                w, p, seqs, hook_s, n, mon_s = run_once(c, target, ids, strategy, device, args)
                 wall[c].append(w)
                 cpu[c].append(p)
                 inside[c].append(hook_s)
+                mon_cpu[c].append(mon_s / max(p - mon_s, 1e-9))
                 outputs.setdefault(c, seqs)
                 steps[c] = n
         tokens = sum(len(s) for s in outputs["none"])
@@ -212,6 +235,7 @@ def measure(setting: str, args) -> list[dict]:
                    "tokens_per_s": tokens / mw, "overhead": mw / base_w - 1.0,
                    "cpu_overhead": mc / base_c - 1.0,
                    "hook_share": statistics.median(inside[c]) / mw,
+                   "monitor_cpu_share": statistics.median(mon_cpu[c]),
                    "identical": outputs[c] == outputs["none"], "steps": steps[c],
                    "tokens": tokens, "seconds": wall[c], "cpu_seconds": cpu[c]}
             if args.count:
@@ -228,16 +252,19 @@ def report(rows: list[dict], args) -> None:
           f"{args.batch_size}, {args.max_new_tokens} new tokens, n-gram drafter; overhead = "
           f"median against 'none' (wall, and process CPU time)")
     head = (f"{'setting':<7} {'model':<22} {'strategy':<7} {'config':<13} {'wall s':>8} "
-            f"{'overhead':>9} {'cpu ovh':>8} {'in hooks':>9} {'ops/step':>9} {'reads/step':>10} "
+            f"{'overhead':>9} {'cpu ovh':>8} {'in hooks':>9} {'mon cpu':>8} {'ops/step':>9} "
+            f"{'reads/step':>10} "
             f"{'same':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        ops = f"{r['ops_per_step']:.0f}" if "ops_per_step" in r else "-"
+        ops = "-" if "ops_per_step" not in r else f"{r['ops_per_step']:.0f}" + (
+            f"+{r['check_ops_per_step']:.0f}" if r.get("check_ops_per_step", 0) >= 0.5 else "")
         reads = f"{r['reads_per_step']:.2f}" if "reads_per_step" in r else "-"
+        mon = f"{r['monitor_cpu_share'] * 100:.1f}%" if r["config"] in MONITORS else "-"
         print(f"{r['setting']:<7} {r['model'][:22]:<22} {r['strategy']:<7} {r['config']:<13} "
               f"{r['median_seconds']:>8.3f} {r['overhead'] * 100:>8.1f}% "
-              f"{r['cpu_overhead'] * 100:>7.1f}% {r['hook_share'] * 100:>8.1f}% {ops:>9} "
+              f"{r['cpu_overhead'] * 100:>7.1f}% {r['hook_share'] * 100:>8.1f}% {mon:>8} {ops:>9} "
               f"{reads:>10} {'yes' if r['identical'] else 'NO':>5}")
     counted = [r for r in rows if "uploads" in r]
     if counted:

@@ -7,7 +7,10 @@ Modes (``MODES``):
 
 - ``off``: does nothing.
 - ``fast``: the cheap invariants (I1-I4, I6) run as tensor ops on the view's device; each
-  phase leaves a few ``[B]`` masks on the device. Inside a hook nothing is read back,
+  phase leaves a few ``[B]`` masks on the device, or, at a verify, commit or realign
+  view, a copy of what its fused check reads (a few stacks: later in-place writes by the
+  engine cannot change it), checked at the read with every view of its kind at once
+  (see "Cost" below). Inside a hook nothing is read back,
   uploaded or sized by data (``invariants.testing.no_host_transfers`` proves it on a CPU).
   The masks are read at ``check()`` (also ``finish()``, the end of a ``with monitor:``
   block, or the next run's prefill): the one host read of the run, which raises the first
@@ -59,6 +62,18 @@ draft, verify and commit, and the same output to commit and realign. At commit t
 tokens (still those of before the commit) are not compared with prompt ++ output again;
 the commit rules check what it appends and the realign phase checks the tokens.
 
+In fast mode the three phase fusions (``rules.FUSIONS``: the forward's rules at verify,
+the output rules at commit, the layout, position and sequence rules at realign) do not
+run in the hook: the hook copies what the fusion reads (``Fusion.defer``: the commit's
+snapshot, which the monitor keeps anyway, and one or two stacks) and the read
+(``check()``) checks every waiting view of one kind at once (``Fusion.batch``: the same
+expression over the rows of all of them, views of different widths padded on the left
+with invalid slots, which changes no row's flags; tested against each view alone on
+adversarial views). A view whose copy cannot be taken (another phase, shapes the fusion
+does not expect) is checked in its hook as before; once ``MAX_WAITING`` views wait, they
+are checked in the hook (device ops, no read), which bounds the copies a long run keeps.
+Strict mode reads every step, so its fusions run in the hooks.
+
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
 of every step are kept (``accepted_history``), and the ``run`` dict given at construction
@@ -88,10 +103,15 @@ from .view import PHASES, StepView
 #: phases at which deep mode recomputes the KV cache (draft and commit see the same cache)
 KV_PHASES = ("prefill", "verify", "realign")
 
+#: fast mode: at most this many views wait with copies of their inputs; past it they are
+#: checked in the hook (device ops only, no read), which bounds the memory of a long run
+MAX_WAITING = 192
+
 
 #: names in a group's ``reads`` that are monitor state, not view fields
 _STATE_NAMES = ("prev", "prompts", "stops", "is_commit", "is_prefill")
 _SIMPLE = (str, int, bool, tuple, type(None))
+_TENSOR = torch.Tensor
 
 
 def _signature(values) -> tuple:
@@ -100,9 +120,14 @@ def _signature(values) -> tuple:
     tensor without a version counter (inference mode) gets a new object, equal to
     nothing: its group always runs. (Whoever keeps a signature keeps the values too, so
     no identity is reused while it is remembered.)"""
+    try:  # one comprehension: the common case, every tensor with a version counter
+        return tuple([(id(x), x._version) if isinstance(x, _TENSOR)
+                      else x if type(x) in _SIMPLE else id(x) for x in values])
+    except RuntimeError:
+        pass
     out = []
     for x in values:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, _TENSOR):
             try:
                 out.append((id(x), x._version))
             except RuntimeError:
@@ -141,7 +166,7 @@ class _Plan:
     def values(self, view, facts) -> tuple:
         vals = self.get(view)
         if self.state:
-            vals = vals + tuple(facts.dep(n) for n in self.state)
+            vals = vals + tuple([facts.dep(n) for n in self.state])
         return vals
 
     def fusions_for(self, names: tuple) -> tuple:
@@ -229,6 +254,10 @@ class Monitor(Checker):
         self._memo: dict = {}  # group name -> (values, versions) it last checked
         self._plans: dict = {}  # (phase, profile, ...) -> the groups to run
         self._lookups: dict = {}  # row-id tensor -> its rows in a remembered state
+        # fast mode: fusions whose check waits for the read, (entry, mask index, fusion,
+        # key, evidence) (``_settle``); and the last view's snapshot, for ``_advance``
+        self._deferred: list = []
+        self._snapshot = None
 
     @property
     def accepted_history(self) -> list[dict]:
@@ -251,6 +280,8 @@ class Monitor(Checker):
         entry = self._cheap(view)
         if entry is not None:
             self._pending.append(entry)
+        if len(self._deferred) >= MAX_WAITING:
+            self._settle()
         if self.mode != "fast" and self._pending and (self.read_every == "phase"
                                                       or phase == "commit"):
             self.read()  # strict: the one host read of the step
@@ -298,15 +329,28 @@ class Monitor(Checker):
             if pick is not None:  # skip a group whose inputs are those it checked
                 now = pick(sig)
                 old = memo.get(g.name)
-                memo[g.name] = (pick(values), now)
                 if old is not None and old[1] == now:
-                    continue
+                    continue  # (the memo already holds these very values)
+                memo[g.name] = (pick(values), now)
             to_run.append((g, host_rules))
         if not to_run:
             return None
         b = view.batch_size
-        masks, shared = [], {}
+        masks, shared, waiting = [], {}, []
         for fusion in plan.fusions_for(tuple(g.name for g, _ in to_run)):
+            if fusion.defer is not None and self.mode == "fast":
+                # fast mode reads at the end: copy what the fusion reads (a snapshot the
+                # monitor keeps anyway, two stacks) and check every such view at once
+                try:
+                    wait = fusion.defer(facts, self._snapshot_of(view))
+                except (RuntimeError, IndexError, ValueError, AttributeError):
+                    wait = None
+                if wait is not None:
+                    for n in fusion.groups:
+                        shared[n] = len(masks)
+                    waiting.append((len(masks), fusion) + wait)
+                    masks.append(None)  # filled by _settle, before the read
+                    continue
             try:
                 m = fusion.fused(facts)
             except (RuntimeError, IndexError, ValueError, AttributeError):
@@ -342,9 +386,78 @@ class Monitor(Checker):
             checked.append((g, broken, error, index))
         if not masks and not host_failure:
             return None
-        return Entry(masks, host_failure, {
+        entry = Entry(masks, host_failure, {
             "view": view, "checked": checked, "prev": self._prev, "prompts": self._prompts,
             "stops": facts.stops, "history_len": len(self._history)})
+        for index, fusion, key, evidence in waiting:
+            self._deferred.append((entry, index, fusion, key, evidence))
+        return entry
+
+    def _snapshot_of(self, view: StepView) -> torch.Tensor:
+        """The view's ``Snapshot.of`` table, built once per view (``_advance`` keeps it)."""
+        if self._snapshot is None or self._snapshot[0] is not view:
+            self._snapshot = (view, P.Snapshot.of(view))
+        return self._snapshot[1].table
+
+    def _settle(self) -> None:
+        """Check the views whose fusions waited (fast mode), every view of one key at
+        once, and put each one's [B] mask in its entry. A batch that raises is checked
+        view by view; a view whose own check raises runs its groups one by one, on the
+        view as it is now (the errors then say why, as at the hook)."""
+        items, self._deferred = self._deferred, []
+        by_key: dict = {}
+        for entry, index, fusion, key, evidence in items:
+            by_key.setdefault((fusion, key), []).append((entry, index, evidence))
+        for (fusion, key), members in by_key.items():
+            stops = members[0][0].context["stops"]
+            try:
+                flags = fusion.batch(key, [e for _, _, e in members], self._consts, stops)
+                parts = flags.split([e.size for _, _, e in members]) \
+                    if len(members) > 1 else (flags,)
+            except (RuntimeError, IndexError, ValueError, AttributeError):
+                parts = [None] * len(members)
+            for (entry, index, evidence), m in zip(members, parts):
+                if m is None:
+                    try:
+                        m = fusion.batch(key, [evidence], self._consts, stops)
+                    except (RuntimeError, IndexError, ValueError, AttributeError):
+                        m = self._one_by_one(entry, index, fusion)
+                entry.masks[index] = m
+
+    def _one_by_one(self, entry: Entry, index: int, fusion) -> torch.Tensor:
+        """The groups of a fusion that could not be checked at once, one by one on the
+        entry's view: their masks are added to the entry; returns the first's (or an
+        all-False mask when none gives one)."""
+        ctx = entry.context
+        view = ctx["view"]
+        facts = R.Facts(view, stops=ctx["stops"], prev=ctx["prev"], prompts=ctx["prompts"],
+                        consts=self._consts, lookups=self._lookups)
+        checked, first = ctx["checked"], None
+        for at, (g, broken, error, i) in enumerate(checked):
+            if i != index:
+                continue
+            try:
+                m = g.fused(facts) if g.fused is not None else None
+                if m is not None and (m.dim() != 1 or m.shape[0] != view.batch_size):
+                    raise ValueError(f"a [B] mask was expected, got shape {list(m.shape)}")
+            except (RuntimeError, IndexError, ValueError, AttributeError) as e:
+                error = (f"the view can be checked ({g.name} rules raised "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+                entry.host_failure, m = True, None
+            if m is None:
+                checked[at] = (g, broken, error, None)
+            elif first is None:
+                first = m
+                checked[at] = (g, broken, error, index)
+            else:
+                checked[at] = (g, broken, error, len(entry.masks))
+                entry.masks.append(m)
+        return first if first is not None else self._consts.zeros(view.batch_size, view.device)
+
+    def read(self) -> None:
+        if self._deferred:
+            self._settle()
+        super().read()
 
     def _advance(self, view: StepView) -> None:
         """Update the per-run state after the checks of a phase."""
@@ -352,7 +465,9 @@ class Monitor(Checker):
             if view.phase == "prefill":
                 self._prompts = P.Prompts.remember(self._prompts, view, self.remember_rows)
             if view.phase in ("prefill", "commit"):
-                self._prev = P.Snapshot.remember(self._prev, view, self.remember_rows)
+                now = self._snapshot[1] if self._snapshot is not None \
+                    and self._snapshot[0] is view else None
+                self._prev = P.Snapshot.remember(self._prev, view, self.remember_rows, now)
                 # a later view holding these very tensors has nothing new for the history
                 # rules (its output and generated are what the snapshot just copied)
                 seen = (view.output, view.generated, None, view.row_ids, self._prev, False)

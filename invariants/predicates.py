@@ -123,11 +123,12 @@ class _RowTable:
         raise NotImplementedError
 
     @classmethod
-    def remember(cls, old, view: StepView, capacity: int = 0):
+    def remember(cls, old, view: StepView, capacity: int = 0, now=None):
         """``old`` with the view's rows replacing their older entries; rows the view does
         not hold are remembered (a scheduler such as EXSPEC serves a different group each
-        step). Keeps the ``max(capacity, B)`` newest entries (``remember_newest``)."""
-        return _merged(cls, cls.of(view), old, capacity)
+        step). Keeps the ``max(capacity, B)`` newest entries (``remember_newest``).
+        ``now``: ``cls.of(view)`` when the caller built it already."""
+        return _merged(cls, cls.of(view) if now is None else now, old, capacity)
 
 
 @dataclass(frozen=True)

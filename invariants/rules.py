@@ -20,6 +20,13 @@ expression on the hot path and, only when it flags a row, re-evaluates the rules
 one to name them. ``reads`` is what the Monitor compares between phases: a group whose
 inputs are the very tensors (same ``_version``) it checked last time is not run again.
 
+Groups that always run together at one phase form a ``Fusion``: one expression for all of
+their rules, written on explicit tensors (``commit_flags``, ``forward_flags``,
+``realign_flags``) and row-wise, so that fast mode can copy a view's inputs
+(``Fusion.defer``) and check the views of one kind together at the read
+(``Fusion.batch``). The expressions are written for few, cheap kernels on a CPU too:
+reductions by ``sum``, stacks of dense inputs of one dtype.
+
 ``Facts`` holds one view, the monitor's state (stop ids, output snapshot, prompts) and
 the intermediate tensors several rules share (computed once per view, on demand).
 Nothing here reads a tensor's values on the host, uploads host data or produces a
@@ -28,6 +35,7 @@ data-dependent shape.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -154,6 +162,14 @@ class Constants:
         t = self._cache.get(key)
         if t is None:
             t = self._cache[key] = torch.full((b,), value, dtype=torch.long, device=device)
+        return t
+
+    def scalar(self, value: int, device) -> torch.Tensor:
+        """[] long, ``value`` (a 0-dim operand: cheaper per op than a Python number)."""
+        key = ("scalar", value, device)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = torch.full((), value, dtype=torch.long, device=device)
         return t
 
     def zeros(self, b: int, device) -> torch.Tensor:
@@ -897,17 +913,29 @@ class Fusion:
     groups: tuple
     # facts -> [B] bool (the OR of every rule of the groups), or None: run them one by one
     fused: Callable
+    # fast mode: (facts, snapshot table) -> (key, evidence) when the check can wait until
+    # the read, or None; ``batch(key, [evidence], consts, stops)`` then checks every
+    # waiting view of one key at once ([sum of B] bool, in order)
+    defer: Callable | None = None
+    batch: Callable | None = None
 
 
 #: a coefficient that switches a constraint off (any count in a view is far below it)
 BIG = 1 << 40
 
-#: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them
-COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "pg", "inactive", "lead", "a_k",
-                    "a_k1", "one", "first_stop", "lim_max", "unknown", "fin", "last", "atb",
-                    "at_limit", "stale", "wrote")
+#: the row quantities of a commit, in the order ``_fused_commit_phase`` stacks them:
+#: counts first, then 0/1 flags
+COMMIT_VARIABLES = ("g", "gb", "m", "a", "lim", "budgets", "moved", "lead", "one",
+                    "first_stop", "room", "stale", "wrote",
+                    "inactive", "unknown", "fin", "last", "atb", "at_limit")
 #: the commit's row rules as linear constraints: each {variable: coefficient} must be
-#: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row)
+#: >= 0 (T and k + 1 are coefficients of "one"; BIG switches a rule off for a row).
+#: ``moved`` is generated_before - the previous generated; ``room`` is budget -
+#: generated_before clamped to [1, k + 1] (the draft limit's bound plus one); ``stale``
+#: and ``wrote`` count offending output slots. The prefix rules
+#: compare ``lead`` (leading drafts equal to the predictions) with the accepted count
+#: itself, not clamped to k: where a > k (or, at a row not at its limit, a >= k) the
+#: draft limit or the accepted range flags the row anyway.
 COMMIT_CONSTRAINTS = (
     {"g": 1},                                               # g >= 0
     {"budgets": 1, "g": -1},                                # g <= budget
@@ -915,8 +943,8 @@ COMMIT_CONSTRAINTS = (
     {"fin": 1, "last": -1},                                 # ends on a stop -> finished
     {"fin": 1, "atb": -1},                                  # at its budget -> finished
     {"last": 1, "atb": 1, "fin": -1},                       # finished -> stop or budget
-    {"gb": 1, "pg": -1, "unknown": BIG},                    # generated_before = previous
-    {"pg": 1, "gb": -1, "unknown": BIG},                    #   generated (known rows)
+    {"moved": 1, "unknown": BIG},                           # generated_before = previous
+    {"moved": -1, "unknown": BIG},                          #   generated (known rows)
     {"g": 1, "gb": -1, "m": -1},                            # generated = before + committed
     {"gb": 1, "m": 1, "g": -1},
     {"m": 1, "one": -1, "inactive": BIG},                   # 1 <= committed (active rows)
@@ -924,79 +952,172 @@ COMMIT_CONSTRAINTS = (
     {"a": 1, "one": 1, "m": -1, "inactive": BIG},           # committed <= accepted + 1
     {"m": 1, "a": -1, "one": -1, "inactive": BIG, "last": BIG, "atb": BIG},  # = unless cut
     {"lim": 1},                                             # 0 <= draft_limit
-    {"lim_max": 1, "lim": -1},                              # draft_limit <= min(k, rem - 1)
+    {"room": 1, "one": -1, "lim": -1},                      # draft_limit <= min(k, rem - 1)
     {"a": 1},                                               # 0 <= accepted
     {"lim": 1, "a": -1},                                    # accepted <= draft_limit
-    {"lead": 1, "a_k": -1},                                 # drafts before it all match
-    {"a_k1": 1, "lead": -1, "at_limit": BIG},               # the next one does not match
+    {"lead": 1, "a": -1},                                   # drafts before it all match
+    {"a": 1, "lead": -1, "at_limit": BIG},                  # the next one does not match
     {"first_stop": 1, "g": -1, "one": 1},                   # no stop before the last output
     {"stale": -1},                                          # the old output is unchanged
     {"wrote": -1},                                          # the committed tokens are y_i
 )
+#: how many of COMMIT_VARIABLES are counts (the rest are flags)
+_COMMIT_COUNTS = COMMIT_VARIABLES.index("inactive")
 
 
-def _commit_coefficients(f: Facts, t: int, k: int, dtype) -> torch.Tensor:
-    """[variables, constraints] of COMMIT_CONSTRAINTS on the view's device, written by
-    fill kernels (no host->device copy) once per (T, k, device, dtype)."""
-    key = ("commit", t, k, f.device, dtype)
-    c = f.consts._cache.get(key)
+#: COMMIT_CONSTRAINTS' matrices per (T, k, device, dtype), shared by every monitor (a
+#: new monitor per run would otherwise write them again: some 50 small kernels each)
+_COEFFICIENTS: dict = {}
+
+
+def _commit_coefficients(consts: Constants, device, t: int, k: int, dtype) -> torch.Tensor:
+    """[constraints, variables] of COMMIT_CONSTRAINTS on ``device``, written by fill
+    kernels (no host->device copy) once per (T, k, device, dtype) in the process."""
+    key = (t, k, device, dtype)
+    c = _COEFFICIENTS.get(key)
     if c is None:
         index = {n: i for i, n in enumerate(COMMIT_VARIABLES)}
-        c = torch.zeros(len(COMMIT_VARIABLES), len(COMMIT_CONSTRAINTS), dtype=dtype,
-                        device=f.device)
+        c = torch.zeros(len(COMMIT_CONSTRAINTS), len(COMMIT_VARIABLES), dtype=dtype,
+                        device=device)
         for j, terms in enumerate(COMMIT_CONSTRAINTS):
             for name, w in terms.items():
                 w = {"T": t, "k1": k + 1}.get(w, w)
-                c[index[name], j : j + 1].fill_(w)
-        f.consts._cache[key] = c
+                c[j, index[name] : index[name] + 1].fill_(w)
+        if len(_COEFFICIENTS) >= 1024:
+            _COEFFICIENTS.clear()
+        _COEFFICIENTS[key] = c
     return c
 
 
-def _fused_commit_phase(f: Facts):
-    """I6 state + history + commit rules at a commit view: the output-wide rules as a few
-    [B, T] and [B, k] expressions, every row rule at once as integer linear constraints
-    (``COMMIT_CONSTRAINTS``: one stack, one product)."""
+def _commit_ready(f: Facts) -> bool:
+    """The host facts the commit fusion needs (else its groups run one by one)."""
     v = f.view
-    out, g, m, gb, a = v.output, v.generated, v.committed, v.generated_before, v.accepted
-    lim, preds, drafts, k = v.draft_limit, v.predictions, v.drafts, v.k
-    t = out.shape[1]
-    if gb is None or a is None or lim is None or preds is None or drafts is None or not k \
-            or f.prev is None or not t or preds.shape[1] != k + 1:
-        return None
-    rows, found = f._rows_of(f.prev)
-    pout = rows[:, 3:]
-    if pout.shape[1] != t:
-        return None
-    col = f.consts.row(t, f.device)
-    i = f.consts.row(k + 1, f.device)
+    t, k = v.output.shape[1], v.k
+    return not (v.generated_before is None or v.accepted is None or v.draft_limit is None
+                or v.predictions is None or v.drafts is None or f.prev is None or not t
+                or v.predictions.shape[1] != k + 1 or v.drafts.shape[1] != k
+                or f.prev.table.shape[1] != t + 3)
+
+
+def commit_flags(out, g, fin, m, gb, a, lim, budgets, preds, drafts, rows, found, *, k: int,
+                 stops, consts: Constants, device) -> torch.Tensor:
+    """[N] bool: the OR of the I6 state, history and commit rules, row by row, of commit
+    rows given as explicit tensors: ``out`` [N, T], ``g``/``m``/``gb``/``a``/``lim``/
+    ``budgets`` [N] long, ``fin`` [N] bool, ``preds`` [N, k + 1], ``drafts`` [N, k], the
+    previous snapshot's ``rows`` [N, 3 + T] and ``found`` [N] bool (or None: every row
+    known). Row-wise only, so rows of several commits of one (k, T) can be checked at
+    once (``commit_batch``). The output-wide rules are a few [N, T] and [N, k + 1]
+    expressions, every row rule is an integer linear constraint (``COMMIT_CONSTRAINTS``:
+    one stack of counts, one of flags, one product); written for few, cheap kernels
+    (reductions by ``sum``, stacks along dim 0 with one dtype each)."""
+    t, n = out.shape[1], out.shape[0]
+    i = consts.row(k + 1, device)
+    col = consts.row(t, device)
     # the index of each row's first stop token (T when none): a stop before the last
     # output is first_stop < g - 1; the last output is one when first_stop = g - 1 (exact
     # when g <= T and no stop comes before it, which other constraints check)
-    first_stop = (P.stop_mask(out, f.stops).cumsum(dim=1) == 0).sum(dim=1)
-    last = first_stop + 1 == g
+    first_stop = torch.where(P.stop_mask(out, stops), col, consts.scalar(t, device)).amin(dim=1)
     # output indices: unchanged below the previous generated (history), the committed
     # tokens are the predictions
-    stale = (out != pout) & (col < rows[:, 1:2])
+    stale = (out != rows[:, 3:]) & (col < rows[:, 1:2])
     if found is not None:
         stale = stale & found[:, None]
-    wrote = out.gather(1, (gb[:, None] + i).clamp(0, t - 1))
-    wrote = ((wrote != preds) & (i < m[:, None])).any(dim=1)
+    wrote = (out.gather(1, (gb.unsqueeze(1) + i).clamp(0, t - 1)) != preds) & (i < m.unsqueeze(1))
     # the longest matching prefix of the drafts
-    lead = (drafts == preds[:, :k]).cumprod(dim=1).sum(dim=1)
-    inactive, unknown = rows[:, 2], f.consts.zeros(f.B, f.device)
+    lead = (drafts == preds[:, :k]).cumprod(dim=1).sum(dim=1) if k else consts.count(0, n, device)
+    # (the table's columns are strided: each enters through an op with a dense result,
+    # so that both stacks take the contiguous path)
+    inactive = rows[:, 2] != 0
+    unknown = consts.zeros(n, device)
     if found is not None:
-        inactive, unknown = inactive * found, ~found
-    counts = torch.stack([g, gb, m, a, lim, v.budgets, rows[:, 1], inactive, lead,
-                          a.clamp(max=k), a.clamp(max=k - 1), f.consts.count(1, f.B, f.device),
-                          first_stop, _draft_limit_bound(f)], dim=1)
-    flags = torch.stack([unknown, f.finished, last, g >= v.budgets, a >= lim, stale.any(dim=1),
-                         wrote], dim=1)
+        inactive, unknown = inactive & found, ~found
+    counts = torch.stack([g, gb, m, a, lim, budgets, gb - rows[:, 1], lead,
+                          consts.count(1, n, device), first_stop,
+                          (budgets - gb).clamp(1, k + 1), stale.sum(dim=1), wrote.sum(dim=1)])
+    flags = torch.stack([inactive, unknown, fin, first_stop + 1 == g, g >= budgets, a >= lim])
     # int64 products on the CPU; float64 elsewhere (exact for counts below 2^52)
-    exact = torch.long if f.device.type == "cpu" else torch.float64
-    x = torch.cat([counts, flags.to(counts.dtype)], dim=1)
-    if x.dtype != exact:
-        x = x.to(exact)
-    return ((x @ _commit_coefficients(f, t, k, exact)) < 0).any(dim=1)
+    exact = torch.long if device.type == "cpu" else torch.float64
+    x = torch.cat([counts.to(exact), flags.to(exact)])  # [variables, N]
+    return (_commit_coefficients(consts, device, t, k, exact) @ x < 0).any(dim=0)
+
+
+def _fused_commit_phase(f: Facts):
+    """I6 state + history + commit rules at a commit view (k = 0 included):
+    ``commit_flags`` of the view's rows."""
+    if not _commit_ready(f):
+        return None
+    v = f.view
+    rows, found = f._rows_of(f.prev)
+    return commit_flags(v.output, v.generated, f.finished, v.committed, v.generated_before,
+                        v.accepted, v.draft_limit, v.budgets, v.predictions, v.drafts, rows,
+                        found, k=v.k, stops=f.stops, consts=f.consts, device=f.device)
+
+
+@dataclass(frozen=True)
+class CommitEvidence:
+    """What ``commit_flags`` reads of one commit view, copied when the view is seen (so
+    that a later in-place write by the engine cannot change it): the view's snapshot
+    table [B, 3 + T] (request id, generated, finished, output), its counts [5, B] long
+    (committed, generated_before, accepted, draft_limit, budgets), predictions ++ drafts
+    [B, 2k + 1], and the previous snapshot's rows [B, 3 + T] with ``found`` [B] or None
+    (the monitor's own tables, never written in place)."""
+
+    # [B, 3 + T] long
+    table: torch.Tensor
+    # [5, B] long
+    counts: torch.Tensor
+    # [B, 2k + 1] long
+    choices: torch.Tensor
+    # [B, 3 + T] long
+    rows: torch.Tensor
+    # [B] bool or None
+    found: torch.Tensor | None
+
+    @property
+    def size(self) -> int:
+        return self.table.shape[0]
+
+
+def commit_evidence(f: Facts, table: torch.Tensor):
+    """(key, CommitEvidence) of a commit view whose check can wait (``commit_batch``
+    checks the evidence of every commit of one key at once), or None when the commit
+    fusion must run now: it does not apply, or the view's extra row fields are not [B]
+    long (only well-formed views wait; the others run one by one at once, as before).
+    ``table``: the view's ``Snapshot.of`` table."""
+    if not _commit_ready(f):
+        return None
+    v = f.view
+    b, row = f.B, (f.B,)
+    fields = (v.committed, v.generated_before, v.accepted, v.draft_limit, v.budgets)
+    if any(x.shape != row or x.dtype != torch.long for x in fields) \
+            or v.predictions.shape[0] != b or v.drafts.shape[0] != b or table.shape[0] != b:
+        return None
+    rows, found = f._rows_of(f.prev)
+    key = (v.k, v.output.shape[1], f.stops if not isinstance(f.stops, torch.Tensor)
+           else id(f.stops), f.device, found is None)
+    return key, CommitEvidence(table, torch.stack(fields), torch.cat([v.predictions, v.drafts], 1),
+                               rows, found)
+
+
+def commit_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
+    """[sum of B] bool: ``commit_flags`` of the rows of every commit in ``evidence`` (one
+    key: same k, T, stops, device), concatenated in order: one evaluation for them all."""
+    k, t, ids, device, _ = key
+    if stops is None:  # the key holds host ids themselves (a tensor of ids: its identity)
+        stops = ids
+    if len(evidence) == 1:
+        e = evidence[0]
+        table, counts, choices, rows, found = e.table, e.counts, e.choices, e.rows, e.found
+    else:
+        table = torch.cat([e.table for e in evidence])
+        counts = torch.cat([e.counts for e in evidence], dim=1)
+        choices = torch.cat([e.choices for e in evidence])
+        rows = torch.cat([e.rows for e in evidence])
+        found = None if evidence[0].found is None else torch.cat([e.found for e in evidence])
+    m, gb, a, lim, budgets = counts
+    return commit_flags(table[:, 3:], table[:, 1], table[:, 2] != 0, m, gb, a, lim, budgets,
+                        choices[:, : k + 1], choices[:, k + 1 :], rows, found, k=k, stops=stops,
+                        consts=consts, device=device)
 
 
 def _realign_ready(f: Facts) -> bool:
@@ -1005,45 +1126,152 @@ def _realign_ready(f: Facts) -> bool:
         and v.output.shape[1] > 0 and v.width > 0 and f.prompts.table.shape[1] > 2
 
 
-def _fused_contiguous_realign(f: Facts):
-    """I2 (contiguous) + I3 positions + I6 sequence rules at a view with new slots."""
+def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, found, extra, *,
+                  consts: Constants, device) -> torch.Tensor:
+    """[N] bool: the OR of the I2 layout (``holes``: the holes profile, else contiguous),
+    I3 position and I6 sequence rules, row by row, of views given as explicit tensors:
+    ``tokens``, ``positions`` [N, S] long and ``valid`` [N, S] bool; ``n`` (lengths),
+    ``pl`` (prompt lengths), ``g`` (generated) [N] long; ``out`` [N, T] the output;
+    ``prow`` [N, 2 + P] the remembered prompt rows with ``found`` [N] (None: every row
+    known); ``extra``: holes, the rows' finished flags [N]; contiguous, the minimal-width
+    rule's flag (a 0-dim tensor for one view, or per row). Row-wise otherwise, and
+    unchanged by slots on the left that are invalid with token and position 0, so views
+    of one kind can be checked at once (``realign_batch``)."""
+    s = valid.shape[1]
+    plen, ptoks = prow[:, 1], prow[:, 2:]
+    if holes:
+        counted = valid.cumsum(dim=1)
+        rank = counted - 1
+    else:  # the rank of a valid slot, if contiguous
+        rank = consts.row(s, device) - (s - n)[:, None]
+    pl1 = pl[:, None]
+    t = out.shape[1]
+    want = torch.where(rank < pl1, ptoks.gather(1, rank.clamp(0, max(ptoks.shape[1] - 1, 0))),
+                       out.gather(1, (rank - pl1).clamp(0, max(t - 1, 0))))
+    tok = tokens != want
+    if holes:
+        tok = tok & (rank < n[:, None])
+    if found is not None:
+        tok = tok & found[:, None]
+    if holes:
+        bad = valid & ((positions != rank) | tok)
+    else:
+        bad = (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+    seq = pl != plen if found is None else (pl != plen) & found
+    rows = [bad.any(dim=1), n < 1, n != pl + g, seq]
+    if holes:
+        rows += [counted[:, -1] != n, ~(valid[:, -1] | extra)]
+        return torch.stack(rows).any(dim=0)
+    # (the minimal-width flag is or-ed after the stack, whose inputs then are all dense)
+    return torch.stack(rows).any(dim=0) | extra
+
+
+def _realign_fusion(f: Facts, holes: bool):
     if not _realign_ready(f):
         return None
     v = f.view
-    n, pl, w = v.lengths, v.prompt_lengths, v.width
-    rel = f.consts.row(w, f.device) - (w - n)[:, None]  # the rank of a valid slot, if contiguous
-    want, plen, found = _wanted(f, rel)
-    tokens = v.tokens != want
-    if found is not None:
-        tokens = tokens & found[:, None]
-    bad = (f.valid != (rel >= 0)) | (f.valid & ((v.positions != rel) | tokens))
-    seq = pl != plen if found is None else (pl != plen) & found
-    return torch.stack([bad.any(dim=1), n < 1, (n.max() != w).expand(f.B),
-                        n != pl + v.generated, seq]).any(dim=0)
+    rows, found = f._rows_of(f.prompts)
+    extra = f.finished if holes else v.lengths.max() != v.width
+    return realign_flags(holes, v.tokens, f.valid, v.positions, v.lengths, v.prompt_lengths,
+                         v.generated, v.output, rows, found, extra, consts=f.consts,
+                         device=f.device)
+
+
+def _fused_contiguous_realign(f: Facts):
+    """I2 (contiguous) + I3 positions + I6 sequence rules at a view with new slots."""
+    return _realign_fusion(f, False)
 
 
 def _fused_holes_realign(f: Facts):
     """I2 (holes) + I3 positions + I6 sequence rules at a view with new slots."""
-    if not _realign_ready(f):
-        return None
+    return _realign_fusion(f, True)
+
+
+@dataclass(frozen=True)
+class RealignEvidence:
+    """What ``realign_flags`` reads of one realign view, copied when the view is seen:
+    tokens, positions and valid (as 0/1) stacked [B, 3, W] long, and output ++ lengths,
+    prompt lengths, generated, the extra flag [B, T + 4] long; the remembered prompt rows
+    [B, 2 + P] and ``found`` (the monitor's own tables, never written in place)."""
+
+    # [B, 3, W] long
+    slots: torch.Tensor
+    # [B, T + 4] long
+    rows: torch.Tensor
+    # [B, 2 + P] long
+    prompts: torch.Tensor
+    # [B] bool or None
+    found: torch.Tensor | None
+
+    @property
+    def size(self) -> int:
+        return self.slots.shape[0]
+
+
+def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
+    """(key, RealignEvidence) of a realign view of ``profile`` whose check can wait
+    (``realign_batch``), or None when its fusion must run now (another phase or profile,
+    a shape it does not expect)."""
     v = f.view
-    n, pl = v.lengths, v.prompt_lengths
-    counted = f.counted
-    rank = f.rank
-    want, plen, found = _wanted(f, rank)
-    tokens = (v.tokens != want) & (rank < n[:, None])
-    if found is not None:
-        tokens = tokens & found[:, None]
-    bad = f.valid & ((v.positions != rank) | tokens)
-    seq = pl != plen if found is None else (pl != plen) & found
-    return torch.stack([bad.any(dim=1), n < 1, counted[:, -1] != n, ~(f.valid[:, -1] | f.finished),
-                        n != pl + v.generated, seq]).any(dim=0)
+    if v.phase != "realign" or v.profile != profile or not _realign_ready(f):
+        return None
+    b, w, row = f.B, v.width, (f.B,)
+    if v.valid.shape != v.tokens.shape or v.positions.shape != v.tokens.shape \
+            or v.output.dim() != 2 or v.output.shape[0] != b \
+            or any(x.shape != row for x in (v.lengths, v.prompt_lengths, v.generated, v.finished)):
+        return None
+    holes = v.profile == "holes"
+    prompts, found = f._rows_of(f.prompts)
+    extra = f.finished if holes else (v.lengths.max() != w).expand(b)
+    slots = torch.stack([v.tokens, v.positions, f.valid.long()], 1)
+    rows = torch.cat([v.output, torch.stack([v.lengths, v.prompt_lengths, v.generated,
+                                             extra.long()], 1)], 1)
+    key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
+    return key, RealignEvidence(slots, rows, prompts, found)
+
+
+def realign_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
+    """[sum of B] bool: ``realign_flags`` of every realign view in ``evidence`` (one key),
+    in order; views of different widths are padded on the left with invalid slots."""
+    holes, _, t, device, _ = key
+    if len(evidence) == 1:
+        e = evidence[0]
+        slots, rows, prompts, found = e.slots, e.rows, e.prompts, e.found
+    else:
+        w = max(e.slots.shape[2] for e in evidence)
+        slots = torch.cat([e.slots if e.slots.shape[2] == w
+                           else torch.nn.functional.pad(e.slots, (w - e.slots.shape[2], 0))
+                           for e in evidence])
+        rows = torch.cat([e.rows for e in evidence])
+        prompts = torch.cat([e.prompts for e in evidence])
+        found = None if evidence[0].found is None else torch.cat([e.found for e in evidence])
+    return realign_flags(holes, slots[:, 0], slots[:, 2] != 0, slots[:, 1], rows[:, t],
+                         rows[:, t + 1], rows[:, t + 2], rows[:, :t], prompts, found,
+                         rows[:, t + 3] != 0, consts=consts, device=device)
+
+
+def forward_flags(mask, valid, ids, pos, toks, lim, *, consts: Constants, device) -> torch.Tensor:
+    """[N] bool: the OR of the I3 forward-position and I4 mask rules, row by row, of
+    forwards given as explicit tensors: ``mask`` and ``valid`` [N, S] bool (the mask, and
+    the validity its columns stand for; the new tokens are the last q columns), ``ids``
+    and ``toks`` [N, q] (the forward's inputs, the row's tokens at the new slots), ``pos``
+    [N or 1, q], ``lim`` [N] (the drafts a row may use; None: every new token counts).
+    Where the mask equals the validity (else I4 flags the row), its new columns are the
+    valid's and its running count is the valid's: the position rule reads those. Row-wise
+    only, and unchanged by columns that are False in both on the left, so forwards of one
+    q can be checked at once (``forward_batch``)."""
+    q = ids.shape[-1]
+    c = valid.shape[1] - q
+    new = pos + 1 != valid.cumsum(dim=1)[:, c:]
+    if lim is not None:
+        new = new & (consts.row(q, device) <= lim[:, None])
+    new = (new | (ids != toks)) & valid[:, c:]
+    return (mask != valid).any(dim=1) | new.any(dim=1)
 
 
 def _fused_forward_phase(f: Facts):
-    """I3 forward positions + I4 mask at a view with a recorded forward. Where the mask
-    equals the validity it stands for (else I4 flags the row), its new columns are the
-    extended valid's and its running count is the valid's: the position rule reads those."""
+    """I3 forward positions + I4 mask at a view with a recorded forward
+    (``forward_flags`` over the mask's columns)."""
     v, fw = f.view, f.view.forward
     c, q = fw.cache_width, fw.input_ids.shape[-1]
     span = c + q
@@ -1052,18 +1280,74 @@ def _fused_forward_phase(f: Facts):
     if m.dim() != 2 or m.shape[1] != span or span > valid.shape[1] or m.shape[0] != f.B \
             or fw.input_ids.shape != tokens[:, c:span].shape:
         return None
-    new = (fw.positions + 1 != valid.cumsum(dim=1)[:, c:span])
-    if v.phase in ("verify", "commit") and v.draft_limit is not None:
-        new = new & (f.consts.row(q, f.device) <= v.draft_limit[:, None])
-    new = (new | (fw.input_ids != tokens[:, c:span])) & valid[:, c:span]
-    return (f.fmask != valid[:, :span]).any(dim=1) | new.any(dim=1)
+    if span < valid.shape[1]:
+        tokens, valid = tokens[:, :span], valid[:, :span]
+    lim = v.draft_limit if v.phase in ("verify", "commit") else None
+    return forward_flags(f.fmask, valid, fw.input_ids, fw.positions, tokens[:, c:], lim,
+                         consts=f.consts, device=f.device)
+
+
+@dataclass(frozen=True)
+class ForwardEvidence:
+    """What ``forward_flags`` reads of one verify view, copied when the view is seen:
+    inputs ++ positions ++ the row's new tokens ++ draft limit [B, 3q + 1] long, and the
+    mask stacked with the validity it stands for [B, 2, C + q] bool."""
+
+    # [B, 3q + 1] long
+    ints: torch.Tensor
+    # [B, 2, C + q] bool
+    flags: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.ints.shape[0]
+
+
+def forward_evidence(f: Facts, table=None):
+    """(key, ForwardEvidence) of a verify view whose forward check can wait
+    (``forward_batch``), or None when ``_fused_forward_phase`` must run now (another
+    phase, or any shape it does not expect)."""
+    v, fw = f.view, f.view.forward
+    if fw is None or v.phase != "verify" or v.draft_limit is None or v.drafts is None:
+        return None
+    b, c, q = f.B, fw.cache_width, fw.input_ids.shape[-1]
+    span = c + q
+    tokens, valid = f.extended
+    m, pos = fw.attention_mask, fw.positions
+    if m.dim() != 2 or tuple(m.shape) != (b, span) or tuple(valid.shape) != (b, span) \
+            or tuple(fw.input_ids.shape) != (b, q) or pos.dim() != 2 \
+            or pos.shape[0] not in (1, b) or pos.shape[1] != q \
+            or tuple(v.draft_limit.shape) != (b,) or c < 0:
+        return None
+    ints = torch.cat([fw.input_ids, pos.expand(b, q), tokens[:, c:], v.draft_limit[:, None]], 1)
+    return (q, f.device), ForwardEvidence(ints, torch.stack([f.fmask, valid], 1))
+
+
+def forward_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
+    """[sum of B] bool: ``forward_flags`` of every forward in ``evidence`` (one q), in
+    order; masks of different widths are padded on the left with columns False in both
+    mask and validity (which changes no row's flags)."""
+    q, device = key
+    if len(evidence) == 1:
+        ints, flags = evidence[0].ints, evidence[0].flags
+    else:
+        s = max(e.flags.shape[2] for e in evidence)
+        flags = torch.cat([e.flags if e.flags.shape[2] == s
+                           else torch.nn.functional.pad(e.flags, (s - e.flags.shape[2], 0))
+                           for e in evidence])
+        ints = torch.cat([e.ints for e in evidence])
+    return forward_flags(flags[:, 0], flags[:, 1], ints[:, :q], ints[:, q : 2 * q],
+                         ints[:, 2 * q : 3 * q], ints[:, 3 * q], consts=consts, device=device)
 
 
 FUSIONS = (
-    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase),
-    Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase),
-    Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign),
-    Fusion(("I2.holes", "I3.positions", "I6.sequence"), _fused_holes_realign),
+    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch),
+    Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
+           commit_batch),
+    Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
+           realign_evidence, realign_batch),
+    Fusion(("I2.holes", "I3.positions", "I6.sequence"), _fused_holes_realign,
+           functools.partial(realign_evidence, profile="holes"), realign_batch),
 )
 
 # ---------------------------------------------------------------------------------------
@@ -1299,6 +1583,9 @@ def slot_rule(rules) -> Rule | None:
 
 
 __all__ = ["COLUMNS", "Rule", "Group", "Fusion", "FUSIONS", "Facts", "Constants", "GROUPS", "GROUPS_BY_NAME",
+           "commit_flags", "commit_evidence", "commit_batch", "CommitEvidence", "forward_flags",
+           "forward_evidence", "forward_batch", "ForwardEvidence", "realign_flags",
+           "realign_evidence", "realign_batch", "RealignEvidence",
            "RULES", "RULES_BY_ID", "INVARIANT_RULES", "R_KV", "R_REFERENCE", "GUARD_RULES",
            "ForwardFacts", "evaluate",
            "rule_masks", "slot_rule", "group_applies", "words"]

@@ -244,3 +244,29 @@ def test_sampling_runs_keep_the_checkers_transfer_free(mode):
     steps = {s for s, phase, _ in strict.calls if phase == "commit"}
     assert steps and {s: per_step[s]["read"] for s in steps} == {s: 1 for s in steps}
     assert all(c["upload"] == 0 and c["dynamic_shape"] == 0 for c in per_step.values())
+
+
+@pytest.mark.engine
+def test_views_that_wait_past_the_limit_are_checked_in_the_hook_without_transfers(monkeypatch):
+    """Fast mode checks waiting views inside a hook once ``MAX_WAITING`` wait (bounded
+    copies on a long run): still no read, upload or data-dependent shape in any hook, and
+    a fault is recorded as strict mode records it."""
+    from invariants import monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "MAX_WAITING", 4)
+    target, _ = tiny_pair("llama")
+
+    def shift(phase, view):
+        if phase == "realign" and view.step == 3:
+            view.positions[:, -1] += 1
+
+    fast = watch_hook(Monitor("fast", raise_on_violation=False))
+    strict = Monitor("strict", raise_on_violation=False)
+    specdec.generate(target, PROMPTS, k=3, batch_size=3, max_new_tokens=BUDGET,
+                     hooks=[fault_injection(shift), strict, fast])
+    assert zero(fast.total()), fast.events()[:3]
+    assert fast.hook._deferred == [] or len(fast.hook._deferred) < 4
+    key = lambda v: (v.invariant, v.step, v.phase, v.rows, v.rules)  # noqa: E731
+    found = [key(v) for v in fast.hook.check()]
+    assert found and found == [key(v) for v in strict.check()]
+    assert found[0][:3] == ("I3", 3, "realign")

@@ -312,3 +312,89 @@ def test_deep_mode_is_silent_on_a_correct_engine_in_reduced_precision(dtype):
                          hooks=[mon])
         assert mon.check() == []
         assert all(n["classification"] == "near-tie" for n in mon.near_ties)
+
+
+# -- fast mode reads at the end, and records what strict mode records ----------------------
+
+def _same_records(run):
+    """Run ``run(hooks)`` under a fast and a strict recording Monitor side by side: the
+    same violations (invariant, step, phase, rows, rules, slots), in the same order."""
+    fast = Monitor("fast", raise_on_violation=False)
+    strict = Monitor("strict", raise_on_violation=False)
+    run([strict, fast])
+    key = lambda v: (v.invariant, v.step, v.phase, v.rows, v.rules, v.slots)  # noqa: E731
+    assert [key(v) for v in fast.check()] == [key(v) for v in strict.check()]
+    return strict.violations
+
+
+@pytest.mark.parametrize("fault", ["implicit_positions", "mask_all_ones", "accept_first_mismatch",
+                                   "crop_to_batch_min", "drop_bonus", "keep_after_stop"])
+def test_fast_mode_records_what_strict_records_on_every_known_bad_engine(fault):
+    from specdec.forensics.known_bad import KNOWN_BAD, generate_known_bad
+
+    assert fault in KNOWN_BAD
+    target, _ = tiny_pair("llama")
+    refs = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+    # exact drafts where the fault needs a step that accepts every draft
+    drafter = drafters.ScriptedDrafter(refs) if fault == "drop_bonus" \
+        else make_drafter("scripted", "llama", target)
+    found = _same_records(lambda hooks: generate_known_bad(
+        fault, target, PROMPTS, drafter=drafter, k=K, max_new_tokens=BUDGET,
+        stop_token_ids=[refs[0][2]], hooks=hooks))
+    assert found
+
+
+@pytest.mark.parametrize("name", ["padding_off_by_one", "positions_from_slot",
+                                  "mask_not_refreshed", "draft_limit_unclipped",
+                                  "holes_keeps_first_rejected", "source_off_by_one"])
+def test_fast_mode_records_what_strict_records_on_mutants(name):
+    from specdec import mutants
+
+    target, _ = tiny_pair("llama")
+    strategy = mutants.CATALOGUE[name].strategy or "eqspec"
+    with mutants.apply(name):
+        found = _same_records(lambda hooks: specdec.generate(
+            target, PROMPTS, drafter=make_drafter("scripted", "llama", target), k=K,
+            batch_size=3, max_new_tokens=BUDGET, strategy=strategy, hooks=hooks))
+    assert found
+
+
+def test_fast_mode_checks_a_commit_as_it_was_seen():
+    """An engine that writes a commit's output in place after the commit view (here a
+    hook at the next realign): fast mode, which checks commits at the end, still judges
+    each commit by the values its view showed, so it records what strict mode records."""
+    target, _ = tiny_pair("llama")
+
+    def rewrite(phase, view):
+        if phase == "realign" and view.step == 2:
+            view.output[0, 0] = (view.output[0, 0] + 1) % models.TINY_VOCAB
+
+    found = _same_records(lambda hooks: specdec.generate(
+        target, PROMPTS, k=K, batch_size=3, max_new_tokens=BUDGET,
+        hooks=[fault_injection(rewrite)] + hooks))
+    assert found and found[0].phase == "realign" and found[0].step == 2
+
+
+def test_fast_mode_falls_back_to_the_groups_when_a_waiting_check_raises():
+    """Should checking the waiting views fail (together and alone), each view's groups
+    run one by one on it: the records are still strict mode's."""
+    from invariants import rules as R
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a batch that cannot be checked")
+
+    saved = [(fusion, fusion.batch) for fusion in R.FUSIONS if fusion.batch is not None]
+    for fusion, _ in saved:  # (frozen records: set by hand, restored below)
+        object.__setattr__(fusion, "batch", broken)
+    try:
+        target, _ = tiny_pair("llama")
+        from specdec.forensics.known_bad import generate_known_bad
+
+        found = _same_records(lambda hooks: generate_known_bad(
+            "accept_first_mismatch", target, PROMPTS,
+            drafter=make_drafter("scripted", "llama", target), k=K, max_new_tokens=BUDGET,
+            hooks=hooks))
+        assert found
+    finally:
+        for fusion, batch in saved:
+            object.__setattr__(fusion, "batch", batch)

@@ -148,7 +148,8 @@ FIELDS = ("tokens", "valid", "positions", "lengths", "prompt_lengths", "budgets"
           "finished", "row_ids", "output", "drafts", "draft_limit", "predictions", "accepted",
           "committed", "generated_before")
 VIEWS = monitored_views() + monitored_views(seed=3, accept_p=1.0, profile="holes") \
-    + monitored_views(prompts=[[4], [5, 6]], k=1, budget=3, seed=1, accept_p=0.0)
+    + monitored_views(prompts=[[4], [5, 6]], k=1, budget=3, seed=1, accept_p=0.0) \
+    + monitored_views(prompts=[[4, 5], [6], [7, 8, 9]], k=0, budget=4, seed=2)
 
 
 COMMITS = [x for x in VIEWS if x[0].phase == "commit"]
@@ -179,3 +180,43 @@ def break_view(data, monitored):
         name = data.draw(st.sampled_from(["input_ids", "positions", "attention_mask"]))
         changes["forward"] = dataclasses.replace(fw, **{name: _perturb(getattr(fw, name), data, name)})
     assert_fused_exact(dataclasses.replace(view, **changes), prev, prompts)
+
+
+# -- fast mode checks views of one kind together: equal to each checked alone ---------------
+
+WAITING = [x for x in VIEWS if x[0].phase in ("verify", "commit", "realign")]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_views_checked_together_flag_what_each_flags_alone(data):
+    """A fusion's ``batch`` over the evidence of several views (adversarial values, views
+    of different widths padded together) flags, row by row, what the fusion flags on each
+    view alone; a view whose evidence is taken is not changed by it."""
+    chosen = data.draw(st.lists(st.sampled_from(WAITING), min_size=1, max_size=5), label="views")
+    by_key, alone = {}, {}
+    for j, (view, prev, prompts) in enumerate(chosen):
+        fields = data.draw(st.lists(st.sampled_from(FIELDS), max_size=3, unique=True))
+        changes = {n: _perturb(getattr(view, n), data, n) for n in fields
+                   if isinstance(getattr(view, n), torch.Tensor)}
+        view = dataclasses.replace(view, **changes)
+        for fusion in R.FUSIONS:
+            if fusion.defer is None:
+                continue
+            facts = R.Facts(view, prev=prev, prompts=prompts)
+            wait = fusion.defer(facts, P.Snapshot.of(view).table)
+            if wait is None:
+                continue
+            key, evidence = wait
+            try:
+                want = fusion.fused(R.Facts(view, prev=prev, prompts=prompts))
+            except (RuntimeError, IndexError, ValueError):
+                continue
+            assert want is not None, (fusion.groups, view.phase)
+            by_key.setdefault((fusion, key), []).append(((j, fusion), evidence))
+            alone[j, fusion] = want.tolist()
+    for (fusion, key), members in by_key.items():
+        flags = fusion.batch(key, [e for _, e in members], R.Constants(), None)
+        parts = flags.split([e.size for _, e in members])
+        for (at, _), got in zip(members, parts):
+            assert got.tolist() == alone[at], (fusion.groups, key, at)
