@@ -172,12 +172,28 @@ def _latest_match_wins(orig):
     return longest_match
 
 
+def _accepted_from_committed(orig):
+    def sync(ctx, state, batch, spec):
+        before = state.stats.accepted
+        host = orig(ctx, state, batch, spec)
+        # accepted counted as the sum of (committed - 1): wrong wherever a stop token cut
+        # a row's commit (this extra host read is the mutant's, not the engine's)
+        state.stats.accepted = before + int((spec.committed - 1).sum())
+        return host
+    return sync
+
+
 FAULTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("ngram_shorter_match_wins", "longest_match",
            "the n-gram drafter continues the latest match even when a longer one exists",
            _latest_match_wins, (), strategy="eqspec", module="drafters",
            caught_by="the n-gram drafter's contract tests (tests/test_ngram_contract.py); "
                      "no Monitor rule: drafts are any proposal, outputs stay exact"),
+    Mutant("stats_accepted_from_committed", "sync",
+           "Stats.accepted grows by the sum of (committed - 1) per step, not of accepted",
+           _accepted_from_committed, ("I6",), module="phases",
+           caught_by="Monitor.check_stats (I6.stats) once a stop token cut a commit; "
+                     "benchmarks/throughput.py refuses to print its figures"),
 )}
 
 #: every name ``apply`` takes
