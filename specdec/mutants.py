@@ -183,6 +183,22 @@ def _accepted_from_committed(orig):
     return sync
 
 
+def _draft_pool_one_slot_late(orig):
+    def write_back(ctx, state, pool, rows, batch, spec, host):
+        draft = pool.draft_kv
+        if draft is None:
+            return orig(ctx, state, pool, rows, batch, spec, host)
+        real = draft.write_back
+        # the draft model's new KV lands one pool slot after its position (the target's
+        # pool is right): the next steps' drafts attend a shifted cache
+        draft.write_back = lambda r, cache, first, dest: real(r, cache, first, dest + 1)
+        try:
+            return orig(ctx, state, pool, rows, batch, spec, host)
+        finally:
+            del draft.write_back
+    return write_back
+
+
 FAULTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("ngram_shorter_match_wins", "longest_match",
            "the n-gram drafter continues the latest match even when a longer one exists",
@@ -194,6 +210,12 @@ FAULTS: dict[str, Mutant] = {m.name: m for m in (
            _accepted_from_committed, ("I6",), module="phases",
            caught_by="Monitor.check_stats (I6.stats) once a stop token cut a commit; "
                      "benchmarks/throughput.py refuses to print its figures"),
+    Mutant("exspec_draft_pool_late", "write_back",
+           "EXSPEC writes the draft model's new KV back into its pool one slot late",
+           _draft_pool_one_slot_late, (), strategy="exspec", module="strategies.exspec",
+           caught_by="a drafter equal to the target must accept every draft "
+                     "(tests/test_self_draft.py); outputs stay exact, no Monitor rule sees "
+                     "draft-cache contents"),
 )}
 
 #: every name ``apply`` takes
