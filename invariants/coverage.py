@@ -70,13 +70,13 @@ class Coverage:
                 # (valid is 0s then 1s in every row); a mere crop keeps its holes
                 flat = (view.valid.long().diff(dim=1) >= 0).all() if view.width > 1 \
                     else view.valid.new_ones((), dtype=torch.bool)
-                self._add(5, flat.long())
+                self._add("compaction", flat.long())
             self._last_commit = None
 
-    def _add(self, index: int, value: torch.Tensor) -> None:
-        """Add the device count ``value`` (0-d long) to ``_DEVICE[index]`` (no host read)."""
+    def _add(self, trigger: str, value: torch.Tensor) -> None:
+        """Add the device count ``value`` (0-d long) to ``trigger`` (no host read)."""
         step = torch.zeros(len(_DEVICE), dtype=torch.long, device=value.device)
-        step[index] = value
+        step[_DEVICE.index(trigger)] = value
         self._device = step if self._device is None else self._device + step
 
     def _commit(self, view: StepView) -> None:
@@ -100,7 +100,7 @@ class Coverage:
         lo = torch.where(goes_on, com, big).min() if com.numel() else com.new_zeros(())
         ragged = (goes_on.sum() > 1) & (hi != lo)
         step = torch.stack([all_acc, rejected, stops, ragged_finish.long(), ragged.long(),
-                            torch.zeros_like(all_acc)])
+                            torch.zeros_like(all_acc)])  # in _DEVICE's order, no compaction
         self._device = step if self._device is None else self._device + step
 
     def counts(self) -> dict:
