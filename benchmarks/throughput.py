@@ -28,6 +28,14 @@ to --out.
     python benchmarks/throughput.py --strategies holes:0 holes:0.25 holes:0.5 holes:1 exspec:32
     python benchmarks/throughput.py --dtype bfloat16     # models cast to bf16 (or float16)
 
+Honest stats: every timed run's ``Stats`` must add up against its outputs
+(``Stats.conservation``: committed = total output length, each row commits 1 to
+accepted + 1 tokens per step, accepted <= drafted <= planned); and once per configuration
+and kind (first repeat) an untimed run under a fast Monitor must have counters equal to the
+sums over the views it saw (``Monitor.check_stats``). If any rule breaks, the benchmark
+prints why on stderr, prints no figure, writes nothing and exits with status 2. The
+checked run is extra work, not part of any figure.
+
 ``--prompts`` takes a count of built-in prompts (``specdec.prompts.builtin_prompts``) or a
 JSONL file in any format of ``specdec.prompts.load_jsonl`` (SpecBench's
 ``{"question_id", "category", "turns"}`` included: the category is the kind). A strategy
@@ -198,9 +206,11 @@ def hf_lookup_generate(target, ids: list, max_new_tokens: int, lookup: int, stop
     return out
 
 
-def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft_model, stops):
+def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft_model, stops,
+               hooks=()):
     """Decode ``ids`` with configuration ``c``: (sequences, stats or None, wall seconds,
-    CPU seconds of this process)."""
+    CPU seconds of this process). ``hooks``: the engine's step hooks (speculative
+    configurations only; the timed runs have none)."""
     t0, c0 = time.perf_counter(), time.process_time()
     stats = None
     if c.kind == "standard":
@@ -215,7 +225,7 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
             opts["window"] = c.batch_size
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
                               batch_size=c.batch_size, max_new_tokens=new, policy=c.policy,
-                              sampling=c.sampling, **opts)
+                              sampling=c.sampling, hooks=hooks, **opts)
         seqs, stats = res.sequences, res.stats
     return seqs, stats, time.perf_counter() - t0, time.process_time() - c0
 
@@ -324,6 +334,38 @@ def _group_rate(stats: list):
     return sum(rates) / len(rates) if rates else None
 
 
+def stats_failures(c: Config, where: str, stats, seqs) -> list[str]:
+    """The conservation rules a timed run's ``Stats`` break against its outputs
+    (``Stats.conservation``), each naming the run."""
+    return [f"{c.engine} {c.drafter} batch {c.batch_size} {where}: {m}"
+            for m in stats.conservation(seqs)]
+
+
+def verify_stats(c: Config, target, ids, new: int, k: int, reference, vocab, draft_model,
+                 stops, where: str) -> list[str]:
+    """One untimed run of ``c`` under a fast Monitor: its ``Stats`` must be the sums over
+    the views the Monitor saw (``Monitor.check_stats``: steps, drafted, accepted,
+    committed) and the total output length; returns what broke, naming the run."""
+    import invariants
+
+    mon = invariants.Monitor("fast", raise_on_violation=False)
+    seqs, stats, _, _ = run_config(c, target, ids, new, k, reference, vocab, draft_model, stops,
+                                   hooks=[mon])
+    found = mon.check() + mon.check_stats(stats, seqs)
+    return [f"{c.engine} {c.drafter} batch {c.batch_size} {where} (checked run): {r}"
+            for v in found for r in v.rules]
+
+
+def refuse(failures: list[str]) -> int:
+    """Print why no figure is printed; the exit status of a refused benchmark."""
+    print(f"throughput: refusing to print figures: {len(failures)} conservation rule(s) broken "
+          "(the engine's Stats do not add up, so its tokens/s, acceptance and draft lengths "
+          "cannot be trusted):", file=sys.stderr)
+    for f in failures[:20]:
+        print(f"  {f}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct; or tiny:FAMILY, a path")
@@ -426,6 +468,7 @@ def main(argv=None) -> int:
         if bar:
             bar.update(1)
     ref_tokens = sum(len(s) for ref in references[modes[0]].values() for s in ref)
+    failures = []  # conservation rules broken by a run's Stats: no figure is printed then
     for repeat in range(args.repeats):
         for kind in kinds:
             rows = groups[kind]
@@ -437,6 +480,12 @@ def main(argv=None) -> int:
                 sub_ref = references[c.mode][kind]
                 seqs, stats, secs, cpu = run_config(c, target, sub, new, args.k, sub_ref, vocab,
                                                     draft_model, stops)
+                if stats is not None:
+                    where = f"{kind} repeat {repeat}"
+                    failures += stats_failures(c, where, stats, seqs)
+                    if repeat == 0:  # the counters against the views, once per config and kind
+                        failures += verify_stats(c, target, sub, new, args.k, sub_ref, vocab,
+                                                 draft_model, stops, where)
                 counts, exact = {"near-tie": None, "desync": None}, None
                 if c.mode != "rejection":  # the oracle's verdict in the configuration's batch shape (not timed)
                     counts = compare_outputs(target, sub, seqs, sub_ref, max_new_tokens=new,
@@ -455,6 +504,8 @@ def main(argv=None) -> int:
                     bar.update(1)
     if bar:
         bar.close()
+    if failures:
+        return refuse(failures)
 
     rows, by_kind = summarise(configs, kinds)
     own1 = {(r["engine"], r["drafter"]): r["tokens_per_s"] for r in rows if r["batch_size"] == 1}

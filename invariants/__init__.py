@@ -5,7 +5,8 @@ This package never imports ``specdec``: any engine builds a ``StepView`` and cal
 Public names: ``Monitor`` (a step hook checking I1-I7), ``guard_model`` (checks every
 forward of a Hugging Face causal LM), ``InvariantViolation`` (the counterexample trace),
 ``compare_outputs`` (the output-equivalence oracle), ``StepView``/``ForwardRecord`` (what
-an engine hands over), ``MODES``. Submodules: ``rules`` (the rules as records),
+an engine hands over), ``MODES``, ``Coverage``/``TRIGGERS`` (which triggers a run
+exercised). Submodules: ``rules`` (the rules as records),
 ``testing`` (``no_host_transfers``: a CPU detector of host reads, uploads and
 data-dependent shapes, for proving a step hook GPU-safe).
 
@@ -24,6 +25,7 @@ _EXPORTS = {
     "InvariantViolation": "trace", "TRACE_VERSION": "trace",
     "compare_outputs": "equivalence", "Comparison": "equivalence",
     "RowComparison": "equivalence", "DEFAULT_TOLERANCE": "equivalence",
+    "Coverage": "coverage", "TRIGGERS": "coverage",
 }
 
 __all__ = list(_EXPORTS)

@@ -95,6 +95,7 @@ import torch
 from . import predicates as P
 from . import rules as R
 from .checker import Checker, Entry
+from .coverage import Coverage
 from .equivalence import DEFAULT_TOLERANCE, EngineShape, check_row, rule_text
 from .modes import MODES, READS
 from .trace import MAX_GRID_ROWS, InvariantViolation, grid_row, grid_window, make_trace
@@ -191,13 +192,15 @@ class Monitor(Checker):
 
     ``Monitor(mode="strict", *, raise_on_violation=True, run=None, invariants=None,
     kv_atol=None, kv_rtol=None, near_tie_tolerance=None, max_violations=100,
-    skip_unchanged=True, remember_rows=256, read="step")``; ``invariants`` restricts the
-    checks to a subset of ``("I1", ..., "I7")``. ``remember_rows``: how many requests'
-    prompts and outputs the I6 history rules remember across views (the newest; at least
+    skip_unchanged=True, remember_rows=256, read="step", coverage=False)``;
+    ``invariants`` restricts the checks to a subset of ``("I1", ..., "I7")``.
+    ``remember_rows``: how many requests' prompts and outputs the I6 history rules remember across views (the newest; at least
     the batch), so a scheduler that serves a different group of a larger pool each step
     (EXSPEC) is checked on every row it has served, not only the previous view's.
     ``read``: when strict and deep modes read their flags, ``"step"`` (once per engine
-    step) or ``"phase"`` (after every phase).
+    step) or ``"phase"`` (after every phase). ``coverage=True``: also count which triggers
+    the views exercised (``self.coverage``, an ``invariants.coverage.Coverage``; its
+    ``counts()`` after the run), a few tensor ops per commit view; off by default.
     """
 
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
@@ -205,7 +208,7 @@ class Monitor(Checker):
                  kv_rtol: float | None = None,
                  near_tie_tolerance: float | None = DEFAULT_TOLERANCE,
                  max_violations: int = 100, skip_unchanged: bool = True,
-                 remember_rows: int = 256, read: str = "step"):
+                 remember_rows: int = 256, read: str = "step", coverage: bool = False):
         chosen = tuple(P.INVARIANTS if invariants is None else invariants)
         super().__init__(mode, raise_on_violation=raise_on_violation, run=None,
                          max_violations=max_violations)
@@ -228,6 +231,9 @@ class Monitor(Checker):
         if not isinstance(remember_rows, int) or remember_rows < 0:
             raise ValueError(f"remember_rows must be an integer >= 0, got {remember_rows!r}")
         self.remember_rows = remember_rows
+        # opt-in: which triggers the views exercised (invariants.coverage; off by default,
+        # so the checks' own cost does not grow)
+        self.coverage = Coverage() if coverage else None
         self.near_ties: list[dict] = []
         self.unchecked: list[dict] = []  # checks a run's engine left undefined (see above)
         self.calls = 0
@@ -277,6 +283,8 @@ class Monitor(Checker):
                 and self._pending[-1].context["view"].step != view.step:
             self.read()  # the previous step ended without a commit view
         self.calls += 1
+        if self.coverage is not None:
+            self.coverage(phase, view)
         entry = self._cheap(view)
         if entry is not None:
             self._pending.append(entry)
@@ -685,6 +693,8 @@ class Monitor(Checker):
         self.violations, self.near_ties, self.unchecked = [], [], []
         self.calls = self.runs = self._reported = 0
         self.group_runs = Counter()
+        if self.coverage is not None:
+            self.coverage.reset()
         self._reset_run()
 
     def __enter__(self) -> "Monitor":

@@ -205,10 +205,10 @@ class NGramDrafter:
         b, w = tokens.shape
         dev = tokens.device
         pending = tokens[:, w - 1]
-        s = torch.arange(1, w, device=dev)  # a continuation may start at slot s (1 .. W-1)
         n = min(self.max_n, w - 1)
         if n > 0:
-            # win[b, e, j] = tokens[b, e - (n-1) + j], the n tokens ending at slot e = s - 1
+            # win[b, e, j] = tokens[b, e - (n-1) + j], the n tokens ending at slot e, whose
+            # continuation would start at slot e + 1
             # (a sentinel -1 before the row: never a token), against the row's last n
             lead = tokens.new_full((b, n - 1), -1)
             win = torch.cat([lead, tokens[:, : w - 1]], dim=1).unfold(1, n, 1)  # [B, W-1, n]
@@ -220,8 +220,7 @@ class NGramDrafter:
             length = torch.zeros(b, w - 1, dtype=torch.long, device=dev)
         length = torch.where(length >= self.min_n, length, 0)
         if w > 1:
-            best_len, best = (length * w + s).max(dim=1)  # longest, then latest
-            best_len = best_len // w
+            best_len, best = longest_match(length)  # the one place a match is chosen
             start = best + 1  # slot of the continuation's first token
             follows = tokens.gather(1, start[:, None])  # [B, 1]
             agree = ((length >= best_len[:, None]) & (tokens[:, 1:] == follows)).sum(dim=1)
@@ -234,6 +233,17 @@ class NGramDrafter:
         cand = tokens.gather(1, start[:, None] + torch.remainder(j, period[:, None]))
         drafts = torch.where(found[:, None], cand, pending[:, None])
         return drafts, best_len, torch.where(found, agree, 0)
+
+
+def longest_match(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(match length [B] long, its index [B] long) of the match a row's drafts continue:
+    the longest, the latest among equally long ones. ``length`` [B, W-1] long is the
+    length of the match ending at slot ``e`` (its continuation starts at slot ``e + 1``;
+    0: no match). A shorter match never overrides a longer one, wherever it lies."""
+    w = length.shape[1] + 1
+    s = torch.arange(1, w, device=length.device)
+    key, best = (length * w + s).max(dim=1)  # longest first, then latest
+    return key // w, best
 
 
 class ScriptedDrafter:

@@ -15,11 +15,20 @@ property-test suite (every mutant must be caught by the invariant checker).
 
 A mutant is written as a wrapper around the original function, so it stays a single
 point of difference from the real layout.
+
+``FAULTS``: single-point faults outside the index math (the n-gram drafter, the engine's
+bookkeeping, ...), applied the same way to one function of another ``specdec`` module
+(``Mutant.module``). No proof obligation covers them (``NAMES``, ``names`` and
+``proved_in`` list the index-math mutants only); ``Mutant.caught_by`` names what catches
+each. A module that imported the function by name (``from ..phases import sync``) is
+patched too: every loaded ``specdec`` module whose attribute of that name is the original.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -40,6 +49,10 @@ class Mutant:
     # the proofs.registry group whose obligations the mutated function breaks, when it is
     # not the strategy's own (``draft_limit`` is proved in "acceptance")
     proofs: str | None = None
+    # the specdec module holding ``target`` ("layout" for the index math)
+    module: str = "layout"
+    # what catches a fault outside the index math (tests, rules); "" for the catalogue
+    caught_by: str = ""
 
     @property
     def proof_group(self) -> str:
@@ -151,6 +164,64 @@ CATALOGUE: dict[str, Mutant] = {m.name: m for m in (
 NAMES = tuple(CATALOGUE)
 
 
+def _latest_match_wins(orig):
+    def longest_match(length):
+        # every match ranks as long as any other: the latest wins, even a shorter one
+        _, best = orig((length > 0).long())
+        return length.gather(1, best[:, None])[:, 0], best
+    return longest_match
+
+
+def _accepted_from_committed(orig):
+    def sync(ctx, state, batch, spec):
+        before = state.stats.accepted
+        host = orig(ctx, state, batch, spec)
+        # accepted counted as the sum of (committed - 1): wrong wherever a stop token cut
+        # a row's commit (this extra host read is the mutant's, not the engine's)
+        state.stats.accepted = before + int((spec.committed - 1).sum())
+        return host
+    return sync
+
+
+def _draft_pool_one_slot_late(orig):
+    def write_back(ctx, state, pool, rows, batch, spec, host):
+        draft = pool.draft_kv
+        if draft is None:
+            return orig(ctx, state, pool, rows, batch, spec, host)
+        real = draft.write_back
+        # the draft model's new KV lands one pool slot after its position (the target's
+        # pool is right): the next steps' drafts attend a shifted cache
+        draft.write_back = lambda r, cache, first, dest: real(r, cache, first, dest + 1)
+        try:
+            return orig(ctx, state, pool, rows, batch, spec, host)
+        finally:
+            del draft.write_back
+    return write_back
+
+
+FAULTS: dict[str, Mutant] = {m.name: m for m in (
+    Mutant("ngram_shorter_match_wins", "longest_match",
+           "the n-gram drafter continues the latest match even when a longer one exists",
+           _latest_match_wins, (), strategy="eqspec", module="drafters",
+           caught_by="the n-gram drafter's contract tests (tests/test_ngram_contract.py); "
+                     "no Monitor rule: drafts are any proposal, outputs stay exact"),
+    Mutant("stats_accepted_from_committed", "sync",
+           "Stats.accepted grows by the sum of (committed - 1) per step, not of accepted",
+           _accepted_from_committed, ("I6",), module="phases",
+           caught_by="Monitor.check_stats (I6.stats) once a stop token cut a commit; "
+                     "benchmarks/throughput.py refuses to print its figures"),
+    Mutant("exspec_draft_pool_late", "write_back",
+           "EXSPEC writes the draft model's new KV back into its pool one slot late",
+           _draft_pool_one_slot_late, (), strategy="exspec", module="strategies.exspec",
+           caught_by="a drafter equal to the target must accept every draft "
+                     "(tests/test_self_draft.py); outputs stay exact, no Monitor rule sees "
+                     "draft-cache contents"),
+)}
+
+#: every name ``apply`` takes
+ALL: dict[str, Mutant] = {**CATALOGUE, **FAULTS}
+
+
 def names(strategy: str) -> tuple:
     """The mutants of one strategy's index math (``Mutant.strategy``)."""
     return tuple(n for n, m in CATALOGUE.items() if m.strategy == strategy)
@@ -163,13 +234,21 @@ def proved_in(group: str) -> tuple:
 
 @contextlib.contextmanager
 def apply(name: str) -> Iterator[Mutant]:
-    """Replace one function of ``specdec.layout`` by its mutant inside the block."""
-    if name not in CATALOGUE:
-        raise ValueError(f"unknown mutant {name!r}; the catalogue has: {', '.join(NAMES)}")
-    mutant = CATALOGUE[name]
-    orig = getattr(layout, mutant.target)
-    setattr(layout, mutant.target, mutant.make(orig))
+    """Replace one function of a ``specdec`` module (``specdec.layout`` for the index-math
+    catalogue) by its mutant inside the block; modules that imported it by name too."""
+    if name not in ALL:
+        raise ValueError(f"unknown mutant {name!r}; the catalogue has: {', '.join(ALL)}")
+    mutant = ALL[name]
+    home = importlib.import_module(f"{__package__}.{mutant.module}")
+    orig = getattr(home, mutant.target)
+    new = mutant.make(orig)
+    bound = [m for n, m in list(sys.modules.items())
+             if m is not None and (n == __package__ or n.startswith(__package__ + "."))
+             and getattr(m, mutant.target, None) is orig]
+    for m in bound:
+        setattr(m, mutant.target, new)
     try:
         yield mutant
     finally:
-        setattr(layout, mutant.target, orig)
+        for m in bound:
+            setattr(m, mutant.target, orig)

@@ -108,6 +108,32 @@ class Stats:
             return None
         return self.grouped_steps / self.steps if self.steps else 0.0
 
+    def conservation(self, outputs) -> list[str]:
+        """The rules these counters obey against the run's ``outputs`` (every request's
+        generated ids) alone, one sentence per broken rule (empty: all hold). Every row of
+        a step commits at least one token and at most its accepted drafts plus one, and
+        uses at most its draft length: ``committed = total output length``,
+        ``row_steps <= committed <= accepted + row_steps``, ``accepted <= drafted <=
+        planned``, and the widths count every step. A fault that keeps these (``accepted``
+        counted as the sum of ``committed - 1``) needs the views: ``Monitor.check_stats``."""
+        total = sum(len(o) for o in outputs)
+        rules = [
+            (self.committed == total, f"committed = total output length: committed "
+                                      f"{self.committed}, the outputs hold {total} tokens"),
+            (self.row_steps <= self.committed, f"each row commits >= 1 token per step: committed "
+                                               f"{self.committed} < row_steps {self.row_steps}"),
+            (self.committed <= self.accepted + self.row_steps,
+             f"each row commits <= accepted + 1 per step: committed {self.committed} > accepted "
+             f"{self.accepted} + row_steps {self.row_steps}"),
+            (0 <= self.accepted <= self.drafted, f"0 <= accepted <= drafted: accepted "
+                                                 f"{self.accepted}, drafted {self.drafted}"),
+            (self.drafted <= self.planned, f"drafted <= planned (a row uses at most its draft "
+                                           f"length): drafted {self.drafted}, planned {self.planned}"),
+            (sum(self.widths.values()) == self.steps,
+             f"the widths count every step: {sum(self.widths.values())} counted, steps {self.steps}"),
+        ]
+        return [f"Stats: {text}" for ok, text in rules if not ok]
+
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "committed": self.committed, "acceptance": self.acceptance,

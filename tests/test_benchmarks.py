@@ -126,3 +126,74 @@ def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, caps
         assert r["uploads"] == 0 and r["dynamic_shapes"] == 0 and r["ops_per_step"] > 0
         assert r["most_reads_in_a_step"] == {"fast": 0, "strict": 1}.get(config, r["most_reads_in_a_step"])
     assert "no upload, no data-dependent shape, fast reads nothing" in capsys.readouterr().out
+
+
+# -- honest stats: no figure from counters that do not add up --------------------------------
+
+ARGV = ["--model", "tiny:llama", "--prompts", "4", "--max-new-tokens", "8", "--batch-sizes", "4",
+        "--strategies", "eqspec", "exspec", "--policies", "fixed", "--drafters", "ngram"]
+
+
+def frequent_stop(throughput, monkeypatch):
+    """Make the tiny model's stop token the token its greedy outputs hold most (so rows
+    stop early and a stop cuts a commit): the generation config says the stop, as for a
+    real model; the benchmark's prompts are decoded once to find it."""
+    from collections import Counter
+
+    from specdec import models
+
+    model = models.tiny("llama")
+    resolve = models.resolve
+    monkeypatch.setattr(throughput.models, "resolve",
+                        lambda name, dtype=None: (model, None) if name == "tiny:llama"
+                        else resolve(name, dtype=dtype))
+    seen = []
+    orig = throughput.run_config
+
+    def spy(c, target, ids, *a, **kw):
+        out = orig(c, target, ids, *a, **kw)
+        seen.extend(out[0])
+        return out
+    monkeypatch.setattr(throughput, "run_config", spy)
+    assert throughput.main([*ARGV[:8], "--strategies", "eqspec", "--drafters", "ngram"]) == 0
+    monkeypatch.setattr(throughput, "run_config", orig)
+    stop = Counter(t for s in seen for t in s[1:]).most_common(1)[0][0]
+    model.generation_config.eos_token_id = stop
+    return stop
+
+
+@pytest.mark.engine
+def test_benchmark_refuses_stats_that_do_not_add_up_to_the_views(throughput, tmp_path, capsys,
+                                                                 monkeypatch):
+    """The mutant ``stats_accepted_from_committed`` keeps committed = the output length;
+    the checked run's Monitor sees that accepted is not the sum over its views."""
+    from specdec import mutants
+
+    frequent_stop(throughput, monkeypatch)
+    argv = [*ARGV[:-1], "scripted:1.0"]  # every draft right: a stop cuts accepted drafts
+    capsys.readouterr()
+    assert throughput.main([*argv, "--out", str(tmp_path / "clean")]) == 0
+    capsys.readouterr()
+    with mutants.apply("stats_accepted_from_committed"):
+        assert throughput.main([*argv, "--out", str(tmp_path / "bad")]) == 2
+    out = capsys.readouterr()
+    assert "refusing to print figures" in out.err and "Stats.accepted" in out.err
+    assert "tok/s" not in out.out and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.engine
+def test_benchmark_refuses_stats_that_do_not_add_up_to_the_outputs(throughput, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A Stats whose committed is not the total output length (checked on every timed run)."""
+    orig = throughput.run_config
+
+    def lying(*a, **kw):
+        seqs, stats, secs, cpu = orig(*a, **kw)
+        if stats is not None and not kw.get("hooks"):  # the timed runs only
+            stats.committed += 1
+        return seqs, stats, secs, cpu
+    monkeypatch.setattr(throughput, "run_config", lying)
+    assert throughput.main([*ARGV, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "committed = total output length" in err and "repeat 0" in err
+    assert not (tmp_path / "results.json").exists()

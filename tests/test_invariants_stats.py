@@ -1,6 +1,8 @@
 """I6.stats: the engine's counters are the sums of what the Monitor saw (issue 13, point 4).
 
-``Monitor.check_stats(stats, outputs)`` states: ``Stats.steps`` = the commit views,
+``Stats.conservation(outputs)`` states what the counters obey against the outputs alone
+(committed = total output length, 1 to accepted + 1 tokens per row and step, accepted <=
+drafted <= planned); ``Monitor.check_stats(stats, outputs)`` states: ``Stats.steps`` = the commit views,
 ``drafted`` = the sum of their draft limits, ``accepted`` and ``committed`` = the sums of
 their counts, and ``committed`` = the total output length. A fault that touches only the
 bookkeeping (``accepted`` counted as the sum of ``committed - 1``) keeps every output
@@ -16,8 +18,7 @@ import torch
 
 import invariants
 import specdec
-from specdec import drafters, models, phases
-from specdec.strategies import exspec
+from specdec import drafters, models, mutants
 
 pytestmark = pytest.mark.engine  # every test runs specdec's engine
 
@@ -39,21 +40,6 @@ def run(strategy, mode="strict", **kw):
     return mon, res
 
 
-@pytest.fixture
-def accepted_from_committed(monkeypatch):
-    """The fault: ``Stats.accepted`` grows by the sum of (committed - 1) at every step."""
-    orig = phases.sync
-
-    def sync(ctx, state, batch, spec):
-        before = state.stats.accepted
-        host = orig(ctx, state, batch, spec)
-        state.stats.accepted = before + int((spec.committed - 1).sum())
-        return host
-
-    monkeypatch.setattr(phases, "sync", sync)
-    monkeypatch.setattr(exspec, "sync", sync)
-
-
 @pytest.mark.parametrize("mode", ["strict", "fast"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_correct_engine_s_stats_are_the_sums_of_its_views(strategy, mode):
@@ -64,8 +50,12 @@ def test_the_correct_engine_s_stats_are_the_sums_of_its_views(strategy, mode):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_accepted_counted_from_committed_is_caught(strategy, accepted_from_committed):
-    mon, res = run(strategy)
+def test_accepted_counted_from_committed_is_caught(strategy):
+    """The mutant ``stats_accepted_from_committed`` (specdec.mutants.FAULTS); a stop
+    token cuts row 0's first commit, the only place the wrong sum differs."""
+    with mutants.apply("stats_accepted_from_committed"):
+        mon, res = run(strategy)
+    assert res.stats.conservation(res.sequences) == []  # the outputs alone cannot tell
     assert mon.check() == []  # every view is right: only the counters are wrong
     found = mon.check_stats(res.stats, res.sequences)
     assert found and found[0].invariant == "I6"
@@ -97,3 +87,23 @@ def test_strict_raises_the_stats_violation():
     res.stats.accepted += 1
     with pytest.raises(invariants.InvariantViolation, match="I6"):
         mon.check_stats(res.stats, res.sequences)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_correct_engine_s_stats_obey_conservation_against_the_outputs(strategy):
+    _, res = run(strategy, batch_size=3)
+    assert res.stats.conservation(res.sequences) == []
+
+
+@pytest.mark.parametrize("field, delta, rule", [
+    ("committed", 1, "committed = total output length"),
+    ("accepted", 100, "accepted <= drafted"),
+    ("drafted", 100, "drafted <= planned"),
+    ("row_steps", 100, "each row commits >= 1 token per step"),
+    ("steps", 1, "the widths count every step"),
+])
+def test_each_conservation_rule_is_checked(field, delta, rule):
+    _, res = run("eqspec")
+    setattr(res.stats, field, getattr(res.stats, field) + delta)
+    broken = res.stats.conservation(res.sequences)
+    assert any(rule in b for b in broken), broken

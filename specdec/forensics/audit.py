@@ -30,6 +30,14 @@ p-value; it passes when ``p >= distribution.ALPHA``. The known-bad sampling engi
 (``sampling_faults.FAULTS``: (g), (h), (i)) run the same distribution test with their
 fault, and should fail it.
 
+Coverage. Every engine with step hooks also runs an ``invariants.Coverage`` next to its
+Monitor, over all its batches: report.json gives each one ``"triggers": {name: count}``
+(a step that accepted every draft, a rejected draft, a stop token reached, rows finishing
+at different steps, a realignment with differing lengths, a row drop, a compaction). A
+known-bad engine whose defect's trigger (``known_bad.TRIGGER``) never occurred, and whose
+defect did not show anyway, gets ``"exercised": false`` and prints "not exercised" in
+place of its first violation: its clean columns say nothing about the defect.
+
 The report (``Report``) prints as a table; ``write(dir)`` saves report.md, report.json and
 two PNG figures. An interrupt (Ctrl-C) keeps the batches every engine finished.
 """
@@ -120,6 +128,14 @@ class EngineReport:
     divergences: list = field(default_factory=list)  # per diverging row: its evidence
     # distribution engines: the chi-square test (distribution.Outcome.as_json())
     distribution: dict | None = None
+    # engines with step hooks: how often each coverage trigger occurred over all batches
+    # (invariants.coverage.TRIGGERS); None for standard decoding, HF and distribution tests
+    triggers: dict | None = None
+    # known-bad engines: the trigger their defect needs (known_bad.TRIGGER), and whether
+    # the run exercised it (it occurred, or the defect showed anyway: violations or
+    # divergences). Not exercised: the run says nothing about the defect, never "clean"
+    trigger: str | None = None
+    exercised: bool | None = None
 
 
 @dataclass
@@ -149,6 +165,8 @@ class Report:
                 continue
             fv = e.first_violation
             first = f"{fv['invariant']} step {fv['step']} {fv['phase']}" if fv else "-"
+            if e.exercised is False:
+                first = f"not exercised (no {e.trigger} in this run)"
             if e.error:
                 first = f"error: {e.error[:40]}"
             acc = f"{e.acceptance:.2f}" if e.acceptance is not None else "-"
@@ -213,7 +231,10 @@ class Report:
                   "oracle's rule above (numerics, not bugs; the rest of a row after a near-tie "
                   "is checked against a reference re-decoded from the row's own prefix). "
                   "Overruns: output that runs on where the reference stopped. Desyncs: all "
-                  "other divergences. report.json keeps each row's evidence.\n")
+                  "other divergences. report.json keeps each row's evidence. A known-bad "
+                  "engine marked \"not exercised\" never met the situation its defect needs "
+                  "(its trigger; report.json: \"triggers\" per engine): its clean columns "
+                  "say nothing about the defect.\n")
         md.append("![throughput vs exact match](exactness.png)\n\n![phase shares](phases.png)\n")
         (out / "report.md").write_text("\n".join(md))
         _plots(self, out)
@@ -399,8 +420,23 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
                                    "rows": list(v.rows), "rule": (v.rules or [""])[0]}
         rep.sample = _sample(tokenizer, seqs, ref if run_sampling is None else coupled_ref,
                              first_bad)
+        _coverage(rep, run)
         report.engines.append(rep)
     return report
+
+
+def _coverage(rep: EngineReport, run: "_EngineRun") -> None:
+    """The triggers the engine's batches exercised and, for a known-bad engine, whether
+    they exercised its defect (see ``EngineReport.exercised``)."""
+    from .known_bad import TRIGGER
+
+    if run.coverage is None:
+        return
+    rep.triggers = run.coverage.counts()
+    if rep.name in TRIGGER:
+        rep.trigger = TRIGGER[rep.name]
+        showed = rep.violations + rep.desyncs + rep.overruns > 0
+        rep.exercised = rep.triggers[rep.trigger] > 0 or showed
 
 
 def _distribution_engine(rep: EngineReport, name: str, sampling, model_name: str) -> None:
@@ -447,6 +483,8 @@ class _EngineRun:
         self.batch_tokens, self.batch_seconds = [], []
         self.stats, self.violations = [], []
         self.stopped = False
+        # the triggers its views exercised over every batch (engines with hooks only)
+        self.coverage = None
 
     def run_batch(self, target, prompts, rows, *, batch_size, k, max_new_tokens, drafter_factory,
                   model_name, policy, sampling=None) -> None:
@@ -460,6 +498,9 @@ class _EngineRun:
             return
         mon = invariants.Monitor(mode="strict", raise_on_violation=self.correct,
                                  run={"engine": self.name, "model": model_name})
+        if self.name not in PLAIN and self.coverage is None:
+            self.coverage = invariants.Coverage()
+        hooks = [mon, self.coverage] if self.coverage is not None else [mon]
         stats = None
         t0 = time.perf_counter()
         try:
@@ -473,12 +514,12 @@ class _EngineRun:
                 mode, _, strategy = self.name.rpartition(":")  # "coupled:<strategy>" or a strategy
                 res = engine.generate(target, prompts, drafter=drafter_factory(), strategy=strategy,
                                       k=k, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                      hooks=[mon], policy=policy,
+                                      hooks=hooks, policy=policy,
                                       sampling=sampling if mode == "coupled" else None)
                 seqs, stats = res.sequences, res.stats
             else:
                 seqs, stats = generate_known_bad(self.name, target, prompts, drafter=drafter_factory(),
-                                                 k=k, max_new_tokens=max_new_tokens, hooks=[mon],
+                                                 k=k, max_new_tokens=max_new_tokens, hooks=hooks,
                                                  batch_size=batch_size)
             mon.check()
         except invariants.InvariantViolation as v:  # a correct engine broke an invariant

@@ -66,6 +66,16 @@ EXPECTED_INVARIANT = {
     "implicit_positions": "I3", "mask_all_ones": "I4", "accept_first_mismatch": "I6",
     "crop_to_batch_min": "I2", "drop_bonus": "I6", "keep_after_stop": "I6",
 }
+#: the coverage trigger (``invariants.coverage.TRIGGERS``) without which each defect
+#: cannot show: slot numbers, an all-ones mask and a committed mismatch need a rejected
+#: draft (a hole; mixed prompt lengths show the first two as well), the batch-minimum crop
+#: rows that go on with different counts, the dropped bonus a row accepting every draft,
+#: the kept tokens a stop token. A run without it says nothing about the defect
+TRIGGER = {
+    "implicit_positions": "draft_rejected", "mask_all_ones": "draft_rejected",
+    "accept_first_mismatch": "draft_rejected", "crop_to_batch_min": "ragged_realign",
+    "drop_bonus": "all_accepted", "keep_after_stop": "stop_reached",
+}
 #: defects visible in the model's forward inputs, which ``guard_model`` flags too
 GUARD_VISIBLE = ("implicit_positions", "mask_all_ones", "crop_to_batch_min")
 #: defects that change the tokens (desyncs); the others keep the prefix exact
