@@ -207,13 +207,15 @@ def test_holes_compacts_above_the_threshold(monkeypatch):
 
 
 def test_holes_capacity_compaction_when_the_cache_is_full(monkeypatch):
-    """With the threshold unreachable and a cache sized for EQSPEC, compaction is forced."""
+    """With the threshold unreachable and a cache sized for EQSPEC, compaction is forced.
+    Every row drafts k (policy='fixed'): the adaptive policy's lengths follow step timings,
+    and a loaded machine can keep the widths small enough that the cache never fills."""
     target, _ = tiny_pair("gpt2")
     prompts, ref = reference("gpt2")
     monkeypatch.setattr(holes_mod.STRATEGY, "capacity",
                         lambda ctx, w, mb: layout.contiguous_capacity(w, mb, ctx.k))
     res = run(target, prompts, "holes", drafter=drafters.ScriptedDrafter(corrupted(ref, models.TINY_VOCAB)), k=4,
-              batch_size=3, max_new_tokens=NEW, hole_threshold=1.0)
+              batch_size=3, max_new_tokens=NEW, hole_threshold=1.0, policy="fixed")
     assert res.sequences == ref and res.stats.compactions > 0
 
 
