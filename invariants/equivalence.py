@@ -105,7 +105,8 @@ class Divergence:
     classification: str  # "near-tie" | "desync"
     expected: int | None  # the reference's token (None: the reference ends there)
     actual: int | None  # the row's token (None: the row ends there)
-    reference: str = "batch-1 greedy"  # or "teacher-forced" (re-decoded from the row's prefix)
+    reference: str = "batch-1 greedy"  # "batch-1 coupled sampling" when judging coupled scores,
+    # or "teacher-forced" (re-decoded from the row's prefix)
     margin: float | None = None  # base top-1 minus top-2 logit
     gap: float | None = None  # base top logit minus the row's token's logit
     reference_gap: float | None = None  # base top logit minus the reference token's logit
@@ -311,6 +312,8 @@ def judge(model, prompt, prefix, expected: int | None, actual: int | None, *,
     (the teacher-forced reference's own), counted as recomputations. ``sampling``,
     ``request``: judge coupled scores instead of logits (module docstring).
     """
+    if sampling is not None and reference == "batch-1 greedy":
+        reference = "batch-1 coupled sampling"  # the reference the caller compared with
     mk = lambda cls, **kw: Divergence(index, cls, expected, actual, reference, **kw)  # noqa: E731
     if expected is None or actual is None:
         return mk("desync")

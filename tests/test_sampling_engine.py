@@ -137,7 +137,11 @@ def test_the_deep_monitor_and_the_oracle_check_coupled_sampling_against_plain_sa
     assert invariants.compare_outputs(target, prompts, res.sequences, max_new_tokens=10,
                                       sampling=s).ok
     greedy = specdec.generate(target, prompts, k=3, max_new_tokens=10).sequences
-    assert invariants.compare_outputs(target, prompts, greedy, max_new_tokens=10, sampling=s).desyncs
+    verdict = invariants.compare_outputs(target, prompts, greedy, max_new_tokens=10, sampling=s)
+    assert verdict.desyncs
+    # the evidence names the reference it was judged against
+    assert {d.reference for row in verdict.rows for d in row.divergences} <= {
+        "batch-1 coupled sampling", "teacher-forced"}
 
 
 def test_the_monitor_says_what_it_cannot_check_in_rejection_mode():
