@@ -77,9 +77,10 @@ _END = -3  # past the end of a context: equal to no token and to no chain entry
 
 
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
-    """[B, H, n, D] keys -> [B, n] int64: an exact hash of the bits of every slot's keys."""
-    bits = keys.detach().float().contiguous().view(torch.int32).long()
-    return (bits * mult[: keys.shape[1], : keys.shape[3]][None, :, None, :]).sum(dim=(1, 3))
+    """[B, H, n, D] keys, [1, H, 1, D] multipliers -> [B, n] int64: an exact hash of the
+    bits of every slot's keys."""
+    bits = keys.detach().float().view(torch.int32).long()
+    return (bits * mult).sum(dim=(1, 3))
 
 
 def fingerprint_layer(cache) -> int | None:
@@ -124,7 +125,13 @@ class ContentSpec:
 
 
 class Content:
-    """The content state of one guard: per-prompt chains, records, the fingerprint table."""
+    """The content state of one guard: per-prompt chains, kept lengths, argmax records,
+    the fingerprint table.
+
+    The kept tokens of a chain are always a prefix of it (a token is kept only when every
+    token before it is), so one length per prompt says which are kept; C1 and C2 are then
+    comparisons of each row's first disagreement with that length (a few ops per forward
+    over [B, T] tensors, whatever the batch or context length)."""
 
     def __init__(self, spec: ContentSpec, device):
         self.spec = spec
@@ -142,22 +149,32 @@ class Content:
         # [S] long: stop ids (S may be 0)
         self.stops = torch.tensor(list(spec.stop_token_ids), dtype=torch.long, device=device)
         self.T = 0
-        # [P + 1, T, 3] long: per prompt (row P: the writes of unmatched rows) and context
-        # position, the token last presented there (-1: none), whether a later forward
-        # kept it (0/1), the argmax recorded for it (-1: none)
-        self.state = None
+        # [P + 1, T] long: per prompt (row P: the writes of unmatched rows) and context
+        # position, the token last presented there (-1: none); prompts count as presented
+        self.chain = None
+        # [P + 1, T] long: the argmax recorded for each position (-1: none)
+        self.rec = None
+        # [P + 1] long: kept length: positions 0 .. K-1 of the chain are kept (the prompt
+        # from the start); -1 on row P, which nothing keeps
+        self.K = torch.cat([self.plen[: self.P], self.plen[self.P:] - 1])
         self._consts = Constants()  # arange rows and counts, by fill kernels
         self._grow(self.lmax + (spec.max_new_tokens or 0) + 8)
-        self.state[: self.P, : self.lmax, 0] = self.prompt  # prompts count as presented
-        # fingerprint table: [M] int64 sorted fingerprints, [M] long their tokens
+        self.chain[: self.P, : self.lmax] = self.prompt
+        # fingerprint table: [M] int64 sorted fingerprints, [M] long their tokens; keys
+        # learned since the last sort wait in _pending ([N] fingerprints, [N] tokens)
         self.fp = torch.full((0,), 0, dtype=torch.long, device=device)
         self.fp_tok = torch.full((0,), 0, dtype=torch.long, device=device)
-        # [1] long: rows skipped because a valid slot's token was unknown
-        self._unknown = torch.zeros(1, dtype=torch.long, device=device)
+        self._pending: list = []
+        self._unknown: list = []  # [B] bool per looked-up forward: rows skipped
         self._mult = {}
         self._wrapped: list = []  # (cache, had_attribute, old attribute)
         self._layer: dict = {}  # id(cache) -> fingerprint layer index (once known)
+        # id(cache) -> (keys tensor, its version, [B, W] tokens of its slots) after the
+        # last forward that appended to it: while the cache holds that very tensor,
+        # unchanged, its tokens are known without a lookup
+        self._seen: dict = {}
         self._stash = None  # the current forward's [B, q] ids, for the cache's update
+        self._tok = None  # the current forward's [B, c + q] slot tokens (cached, new)
         self.skipped = 0  # forwards whose context could not be read (host count)
         self._last = None  # what the current forward's record hook needs
 
@@ -167,23 +184,31 @@ class Content:
         if t <= self.T:
             return
         t = max(t, 2 * self.T)
-        new = torch.full((self.P + 1, t, 3), -1, dtype=torch.long, device=self.device)
-        new[:, :, 1].fill_(0)
-        if self.state is not None:
-            new[:, : self.T] = self.state
-        self.state, self.T = new, t
+        chain = torch.full((self.P + 1, t), -1, dtype=torch.long, device=self.device)
+        rec = torch.full((self.P + 1, t), -1, dtype=torch.long, device=self.device)
+        if self.chain is not None:
+            self._flush()
+            chain[:, : self.T] = self.chain
+            rec[:, : self.T] = self.rec
+        self.chain, self.rec, self.T = chain, rec, t
+
+    def _flush(self) -> None:
+        """Write the records of a forward whose record hook did not run."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.rec.index_copy_(0, last[0], last[1])
 
     @property
     def unknown(self) -> int:
         """Rows skipped so far because a cached slot was never seen written (a host read)."""
-        return int(self._unknown.item())
+        return int(torch.cat(self._unknown).sum().item()) if self._unknown else 0
 
     # -- the cache's tokens ----------------------------------------------------------------
     def _mult_for(self, h: int, d: int) -> torch.Tensor:
         m = self._mult.get((h, d))
         if m is None:
             i = torch.arange(h * d, device=self.device, dtype=torch.long).view(h, d)
-            m = self._mult[(h, d)] = (i * 2 + 1) * _HASH
+            m = self._mult[(h, d)] = ((i * 2 + 1) * _HASH)[None, :, None, :]
         return m
 
     def layer_of(self, cache) -> int | None:
@@ -206,9 +231,15 @@ class Content:
         inner = cache.update
 
         def update(key_states, value_states, layer_idx, *args, **kwargs):
+            layer = self.layer_of(cache) if self._stash is not None else -1
+            if layer is not None and layer_idx != layer:
+                return inner(key_states, value_states, layer_idx, *args, **kwargs)
+            before = _layer_keys(cache, layer_idx) if layer is not None else None
             out = inner(key_states, value_states, layer_idx, *args, **kwargs)
-            if self._stash is not None and layer_idx == self.layer_of(cache):
-                self._learn(key_states)
+            if layer is None and layer_idx != self.layer_of(cache):
+                return out  # the layers exist once the first update made them
+            self._learn(key_states)
+            self._appended(cache, before, _layer_keys(cache, layer_idx))
             return out
         cache.update = update
         self._wrapped.append((cache, had, old))
@@ -219,33 +250,56 @@ class Content:
                 cache.update = old
             else:
                 vars(cache).pop("update", None)
-        self._wrapped, self._layer = [], {}
+        self._wrapped, self._layer, self._seen = [], {}, {}
+
+    def _appended(self, cache, before, after) -> None:
+        """Remember the slot tokens of ``cache`` when this forward's update made a new
+        keys tensor holding the old slots followed by the new ones (a dynamic cache)."""
+        tok = self._tok
+        self._seen.pop(id(cache), None)
+        if tok is None or not isinstance(after, torch.Tensor) or after is before \
+                or after.dim() != 4 or after.is_inference() \
+                or tuple(after.shape[::2]) != tuple(tok.shape):
+            return
+        self._seen[id(cache)] = (after, after._version, tok)
 
     def _learn(self, keys: torch.Tensor) -> None:
         ids = self._stash
         if keys.dim() != 4 or keys.shape[0] != ids.shape[0] or keys.shape[2] != ids.shape[1]:
             return
-        fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3])).reshape(-1)
-        allfp = torch.cat([self.fp, fp])
-        self.fp, order = allfp.sort()
-        self.fp_tok = torch.cat([self.fp_tok, ids.reshape(-1)])[order]
+        fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3]))
+        self._pending.append((fp.reshape(-1), ids.reshape(-1)))
 
-    def cached_tokens(self, cache, c: int, b: int) -> torch.Tensor | None:
-        """[B, C] long: the token at every cache slot (-2 where never seen), or None when
-        the cache cannot be read."""
+    def _table(self):
+        """The sorted fingerprint table, with the keys learned since the last lookup."""
+        if self._pending:
+            fps, toks = zip(*self._pending)
+            self._pending = []
+            self.fp, order = torch.cat((self.fp,) + fps).sort()
+            self.fp_tok = torch.cat((self.fp_tok,) + toks)[order]
+        return self.fp, self.fp_tok
+
+    def cached_tokens(self, cache, c: int, b: int):
+        """([B, C] long: the token at every cache slot, -2 where never seen; whether a
+        slot may be -2), or None when the cache cannot be read."""
         self.watch(cache)
         layer = self.layer_of(cache)
         if layer is None:
             return None
-        keys = getattr(cache_layers(cache)[layer], "keys", None)
+        keys = _layer_keys(cache, layer)
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[0] != b \
                 or keys.shape[2] < c:
             return None
+        seen = self._seen.get(id(cache))
+        if seen is not None and seen[0] is keys and keys._version == seen[1] \
+                and tuple(seen[2].shape) == (b, c):
+            return seen[2], False  # the very tensor this guard saw written, untouched
         fp = key_fingerprint(keys[:, :, :c], self._mult_for(keys.shape[1], keys.shape[3]))
-        if self.fp.shape[0] == 0:
-            return torch.full((b, c), -2, dtype=torch.long, device=keys.device)
-        at = torch.searchsorted(self.fp, fp).clamp(max=self.fp.shape[0] - 1)
-        return torch.where(self.fp[at] == fp, self.fp_tok[at], -2)
+        table, tokens = self._table()
+        if table.shape[0] == 0:
+            return torch.full((b, c), -2, dtype=torch.long, device=keys.device), True
+        at = torch.searchsorted(table, fp).clamp_(max=table.shape[0] - 1)
+        return torch.where(table[at] == fp, tokens[at], -2), True
 
     # -- one forward ---------------------------------------------------------------------
     def skip(self, ids: torch.Tensor | None = None) -> None:
@@ -253,124 +307,132 @@ class Content:
         cache): its tokens are still learned (``ids``, when its cache is watched), and
         every record is dropped, since this forward may replace tokens unseen."""
         self.skipped += 1
-        self._stash, self._last = ids, None
-        self.state[:, :, 2].fill_(-1)
+        self._stash, self._last, self._tok = ids, None, None
+        self.rec.fill_(-1)
 
     def before(self, ids: torch.Tensor, cache, c: int, valid: torch.Tensor | None):
         """Check C1/C2 for one forward of ``ids`` [B, q] over ``c`` cache slots with
         ``valid`` [B, c + q] (None: every slot). Returns ([B] masks by DEVICE_RULES,
         report context) or None when the forward cannot be read."""
+        self._flush()
         b, q = ids.shape
         self._stash = ids if cache is not None else None
-        self._last = None
-        unknown = None
+        self._tok = None
+        looked = False
         if c > 0:
-            old = self.cached_tokens(cache, c, b) if cache is not None else None
-            if old is None:
+            got = self.cached_tokens(cache, c, b) if cache is not None else None
+            if got is None:
                 self.skip(self._stash)
                 return None
+            old, looked = got
             tok = torch.cat([old, ids], dim=1)
         else:
             if cache is not None:
                 self.watch(cache)
             tok = ids
+        self._tok = tok
         s = c + q
         self._grow(max(s, self.lmax) + 1)
-        t = self.T
-        dev = ids.device
+        t, dev, P = self.T, ids.device, self.P
         pos = self._consts.row(t, dev)  # [1, T]
-        if valid is None:
-            rank, n, col = pos[:, :s].expand(b, s), self._consts.count(s, b, dev), None
-            cached = self._consts.count(c, b, dev)  # [B] long: valid cached slots
-        else:
-            valid = valid.bool()
-            rank = valid_before(valid)  # [B, S] long
-            n = valid.sum(dim=1)  # [B]
-            col = torch.where(valid, rank, t)
-            cached = valid[:, :c].sum(dim=1)
-        # [B, T] long: the valid context read left to right, _END past its end
+        # [B, T + 1] long: the valid context read left to right, _END past its end (the
+        # last column takes the invalid slots)
         ctx = torch.full((b, t + 1), _END, dtype=torch.long, device=dev)
-        if col is None:
+        if valid is None:
             ctx[:, :s] = tok
+            n = self._consts.count(s, b, dev)  # [B] valid slots
+            cached = c  # valid cached slots (every row)
+            col = self._consts.row(s + 1, dev)[:, 1:]  # [1, S]: each slot's next position
         else:
-            ctx.scatter_(1, col, tok)
+            valid = valid if valid.dtype == torch.bool else valid.bool()
+            col = valid.cumsum(dim=1)  # [B, S] long: valid slots up to each slot
+            ctx.scatter_(1, torch.where(valid, col - 1, t), tok)
+            n = col[:, -1]
+            cached = col[:, c - 1] if c > 0 else 0
+            col = torch.where(valid, col, 0)  # position 0 is never a record that is read
         ctx = ctx[:, :t]
-        in_ctx = pos < n[:, None]
         # match every row against every prompt ([B, P]): the chains begin with the prompts,
         # so a context agreeing with chain p over min(its length, len(p)) tokens starts
         # with prompt p (or is a prefix of it: a prefill in pieces); the longest agreement
-        # wins
-        agree = (ctx[:, None, :] == self.state[None, : self.P, :, 0]).cumprod(dim=2).sum(dim=2)
-        score = torch.where(agree >= torch.minimum(self.plen[None, : self.P], n[:, None]),
-                            agree + 1, 0)
-        best, top = score.argmax(dim=1), score.amax(dim=1)
-        matched = top > 0
-        no_prompt = ~matched & (n > 0)
-        if c > 0:
+        # wins; D [B] is the matched row's agreement with its chain (-1: no prompt)
+        agree = (ctx[:, None, :] == self.chain[None, :P]).cumprod(dim=2).sum(dim=2)
+        ok = agree >= torch.minimum(self.plen[None, :P], n[:, None])
+        D, best = torch.where(ok, agree, -1).max(dim=1)
+        if looked:  # a row with a slot never seen written is not checked
             unknown = (ctx == -2).any(dim=1)
-            matched, no_prompt = matched & ~unknown, no_prompt & ~unknown
-            self._unknown += unknown.sum()
-        idx = torch.where(matched, best, self.P)  # [B]: the prompt row, P for none
-        st = self.state[idx]  # [B, T, 3]
-        chain, kept, rec = st[..., 0], st[..., 1] > 0, st[..., 2]
-        past = pos >= self.plen[idx][:, None]  # past the prompt
-        rows = in_ctx & matched[:, None]  # the context of a matched row
-        live = rows
-        if self.stops.numel():  # past a row's first stop nothing is checked
-            stop = (ctx[:, :, None] == self.stops).any(dim=2) & past
-            live = live & (stop.long().cumsum(dim=1) - stop.long() == 0)
-        eq = ctx == chain
-        # presented before with the same context up to it: a token is kept only when
-        # nothing before it changed
-        same = eq.cumprod(dim=1).bool()
-        # attended without the logits it was chosen from being computed here: a valid
-        # cached slot, or the row's first valid new token (its predecessor is cached). A
-        # later new token is under verification in this forward, even when an earlier
-        # forward presented it at the same place (a draft the loop did not verify then,
-        # proposed again): it is kept only once a forward attends it as decided
-        decided = pos <= cached[:, None]
-        changed = live & kept & ~eq
-        newly = live & ~kept & same & past & decided
-        if self.spec.greedy:
-            wrong = newly & (rec >= 0) & (ctx != rec)
+            self._unknown.append(unknown)
+            no_prompt = (D < 0) & ~unknown
+            D = torch.where(unknown, -1, D)
         else:
-            wrong = torch.zeros_like(newly)
-        # tokens presented before and now replaced or dropped: records past them are stale
-        gone = (chain >= 0) & ~kept & ((live & ~same) | ~in_ctx)
-        first_gone = torch.where(gone, pos, t).amin(dim=1, keepdim=True)  # [B, 1]
-        new = torch.stack([torch.where(rows, ctx, torch.where(kept | ~past, chain, -1)),
-                           (kept | (live & same & (decided | ~past))).long(),
-                           torch.where(pos > first_gone, -1, rec)], dim=2)
-        self.state.index_copy_(0, idx, new)
-        self._last = (idx, matched, valid, rank, s)
-        masks = [no_prompt, changed.any(dim=1), wrong.any(dim=1)]
-        report = {"ctx": ctx, "n": n, "chain": chain, "kept": kept, "rec": rec,
-                  "idx": idx, "slots": [None, changed, wrong]}
-        return masks, report
+            no_prompt = D < 0
+        idx = torch.where(D >= 0, best, P)  # [B]: the prompt row, P for none
+        chain, rec, k0 = self.chain[idx], self.rec[idx], self.K[idx]  # [B, T] [B, T] [B]
+        live = n  # [B]: past it nothing is checked: the context's end, or its first stop
+        if self.stops.numel():
+            stop = (ctx[:, :, None] == self.stops).any(dim=2) & (pos >= self.plen[idx][:, None])
+            live = torch.minimum(n, (stop.cumsum(dim=1) == 0).sum(dim=1) + 1)
+        # kept after this forward: what a forward attends without the logits it was chosen
+        # from being computed here (a valid cached slot, or the row's first valid new token:
+        # its predecessor is cached), presented before with the same context up to it, and
+        # live. A later new token is under verification, even when an earlier forward
+        # presented it at the same place (a draft the loop did not verify then, proposed
+        # again): it is kept only once a forward attends it as decided
+        if isinstance(cached, int):
+            k1 = torch.minimum(D, live).clamp(max=cached + 1)
+        else:
+            k1 = torch.minimum(torch.minimum(D, live), cached + 1)
+        changed = D < torch.minimum(k0, live)  # C1: a kept token replaced
+        if self.spec.greedy:  # C2: newly kept tokens against the recorded argmax
+            wrong = ((ctx != rec) & (rec >= 0) & (pos >= k0[:, None])
+                     & (pos < k1[:, None])).any(dim=1)
+        else:
+            wrong = self._consts.zeros(b, dev)
+        # tokens presented before and now replaced or dropped (past the kept ones, from the
+        # first disagreement on while live, from the context's end on): records past the
+        # first of them are stale
+        first = torch.maximum(k0, D)
+        first = torch.where(first < live, first, torch.maximum(first, n))
+        rec_new = torch.where(pos > first[:, None], -1, rec)
+        self.chain.index_copy_(0, idx, torch.where(
+            ctx >= 0, ctx, torch.where(pos < k0[:, None], chain, -1)))
+        self.K.index_copy_(0, idx, torch.maximum(k0, k1))
+        self._last = (idx, rec_new, col, s)
+        report = {"ctx": ctx, "n": n, "chain": chain, "k0": k0, "k1": k1, "live": live,
+                  "rec": rec, "idx": idx}
+        return [no_prompt, changed, wrong], report
 
     def after(self, logits) -> None:
-        """Record the argmax of every computed position of the forward ``before`` read."""
-        last, self._last, self._stash = self._last, None, None
-        if last is None or not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        """Record the argmax of every computed position of the forward ``before`` read
+        (the first record of a position stands)."""
+        last, self._stash, self._tok = self._last, None, None
+        if last is None:
             return
-        idx, matched, valid, rank, s = last
-        ql = logits.shape[1]
-        if ql > s or logits.shape[0] != idx.shape[0]:
-            return
-        am = logits.argmax(dim=-1)  # [B, ql]
-        ok = matched[:, None] if valid is None else valid[:, s - ql:] & matched[:, None]
-        # position 0 is never a record that is read (records start past the prompt): the dump
-        col = torch.where(ok, rank[:, s - ql:] + 1, 0)
-        rec = self.state[idx, :, 2]  # [B, T]
+        idx, rec, col, s = last
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 \
+                or logits.shape[1] > s or logits.shape[0] != idx.shape[0]:
+            return self._flush()
+        self._last = None
+        col = col[:, s - logits.shape[1]:].expand(idx.shape[0], -1)
         cur = rec.gather(1, col)
-        rec.scatter_(1, col, torch.where(cur < 0, am, cur))
-        self.state[:, :, 2].index_copy_(0, idx, rec)
+        rec.scatter_(1, col, torch.where(cur < 0, logits.argmax(dim=-1), cur))
+        self.rec.index_copy_(0, idx, rec)
 
     # -- host reads (reports, outputs) -----------------------------------------------------
     def host_state(self):
         """(chain, kept, rec) of every prompt as host lists (one read)."""
-        host = self.state[: self.P].tolist()  # [P][T][3]
-        return tuple([[x[i] for x in row] for row in host] for i in range(3))
+        self._flush()
+        host = torch.cat([self.chain[: self.P], self.rec[: self.P],
+                          self.K[: self.P, None]], dim=1).tolist()
+        t = self.T
+        chains = [row[:t] for row in host]
+        kept = [[1 if j < row[2 * t] else 0 for j in range(t)] for row in host]
+        recs = [row[t: 2 * t] for row in host]
+        return chains, kept, recs
+
+
+def _layer_keys(cache, layer: int):
+    layers = cache_layers(cache)
+    return getattr(layers[layer], "keys", None) if layer < len(layers) else None
 
 
 def first_stop(tokens, stops) -> int | None:

@@ -140,10 +140,11 @@ class Guard(Checker):
                 out[name] = value
         return out
 
-    def facts(self, args, kwargs) -> ForwardFacts | None:
+    def facts(self, args, kwargs, a: dict | None = None) -> ForwardFacts | None:
         """What one forward's arguments say (host facts and device tensors), or None when
-        there are no token inputs to check."""
-        a = self._arguments(args, kwargs)
+        there are no token inputs to check (``a``: the arguments by name, when bound
+        already)."""
+        a = self._arguments(args, kwargs) if a is None else a
         ids, emb = a.get("input_ids"), a.get("inputs_embeds")
         src = ids if ids is not None else emb
         if src is None or src.dim() < 2:
@@ -170,7 +171,8 @@ class Guard(Checker):
                             implicit, src.device, self.relative)
 
     def _pre(self, module, args, kwargs):
-        ff = self.facts(args, kwargs)
+        a = self._arguments(args, kwargs)
+        ff = self.facts(args, kwargs, a)
         if ff is None:
             if self.content is not None:
                 self.content.skip()
@@ -192,15 +194,14 @@ class Guard(Checker):
             self._pending.append(Entry(masks, context={"facts": ff, "index": index,
                                                        "rules": named}))
         if self.content is not None:
-            self._content(ff, index, args, kwargs)
+            self._content(ff, index, a)
         if self._pending and self.mode != "fast":
             self.read()  # the one host read of the forward
         return None
 
-    def _content(self, ff: ForwardFacts, index: int, args, kwargs) -> None:
+    def _content(self, ff: ForwardFacts, index: int, a: dict) -> None:
         """C1/C2 over this forward's rows (device masks), when its tokens can be read."""
         content = self.content
-        a = self._arguments(args, kwargs)
         ids = a.get("input_ids")
         cache = _cache_argument(a)
         if ids is None or ids.dim() != 2 or is_legacy_cache(cache) \
@@ -274,17 +275,19 @@ class Guard(Checker):
         k = next(i for i, m in enumerate(rows) if any(m))
         inv, rid, sentence = DEVICE_RULES[k]
         bad = [b for b, x in enumerate(rows[k]) if x]
-        ctx, n, chain, kept, rec, idx = (rep[x].tolist() for x in
-                                         ("ctx", "n", "chain", "kept", "rec", "idx"))
-        slots_mask = rep["slots"][k]
-        slot_rows = slots_mask.tolist() if slots_mask is not None else None
+        ctx, n, chain, k0, k1, live, rec, idx = (
+            rep[x].tolist() for x in ("ctx", "n", "chain", "k0", "k1", "live", "rec", "idx"))
         prompts = self.content.spec.prompts
         slots, grid, which = [], [], []
         for b in bad:
             row = ctx[b][: n[b]]
-            if slot_rows is not None:
-                at = [j for j, x in enumerate(slot_rows[b]) if x]
+            if k > 0:  # the slots that break the rule (kept ones changed, or newly kept)
                 p = idx[b]
+                if k == 1:
+                    at = [j for j in range(min(k0[b], live[b])) if ctx[b][j] != chain[b][j]]
+                else:
+                    at = [j for j in range(max(k0[b], 0), k1[b])
+                          if rec[b][j] >= 0 and ctx[b][j] != rec[b][j]]
             else:  # no prompt: where the context parts from the closest prompt
                 p, offset, part = closest_prompt(row, prompts)
                 at = [part]
@@ -293,11 +296,11 @@ class Guard(Checker):
             if len(grid) < MAX_GRID_ROWS:
                 width = max(n[b], len(prompts[p]))
                 lines = {"context": row}
-                if slot_rows is None:
+                if k == 0:
                     lines["prompt"] = [None] * offset + prompts[p]
                     width = max(width, offset + len(prompts[p]))
                 else:
-                    lines["kept"] = [chain[b][j] if kept[b][j] else None for j in range(width)]
+                    lines["kept"] = [chain[b][j] if j < k0[b] else None for j in range(width)]
                     lines["argmax"] = [r if r >= 0 else None for r in rec[b][:width]]
                 grid.append(grid_row(f"row {b}", lines, at, grid_window(width, at)))
         trace = make_trace(
