@@ -103,7 +103,7 @@ class Guard(Checker):
         self.content: Content | None = None
         if prompts is not None:
             spec = ContentSpec(prompts, max_new_tokens, tuple(stop_token_ids or ()), greedy)
-            self.content = Content(spec, model_device(model))
+            self.content = Content(spec, model_device(model), self._capture)
         elif max_new_tokens is not None or stop_token_ids:
             raise ValueError("max_new_tokens and stop_token_ids describe the prompts: pass "
                              "prompts= too (content rules need them)")
@@ -213,10 +213,13 @@ class Guard(Checker):
                 content.watch(cache)
             content.skip(ids if cache is not None else None)
             return
-        out = content.before(ids, cache, ff.c, ff.mask2d)
-        if out is not None:
-            masks, report = out
-            self._pending.append(Entry(masks, context={"content": report, "index": index}))
+        content.before(ids, cache, ff.c, ff.mask2d)
+
+    def _capture(self, kind: tuple, data: list) -> None:
+        """A capture of the content rules: its tensors wait with the coherence flags for
+        the mode's host read, then ``report`` hands them to ``Content.process``."""
+        self._pending.append(Entry(data, host_failure=True,
+                                   context={"content": kind, "index": self.forwards - 1}))
 
     def _post(self, module, args, output):
         logits = getattr(output, "logits", None)
@@ -229,7 +232,11 @@ class Guard(Checker):
     def report(self, entry: Entry, rows: list) -> None:
         ctx = entry.context
         if "content" in ctx:
-            self._emit(self._content_violation(ctx["content"], ctx["index"], rows))
+            found = self.content.process(ctx["content"], rows)
+            if found:  # the first rule broken, with every row that breaks it
+                k = min(k for k, _ in found)
+                self._emit(self._content_violation(k, [f for i, f in found if i == k],
+                                                   ctx["index"]))
             return
         failing = [(r, m) for r, m in zip(ctx["rules"], rows) if any(m)]
         inv = failing[0][0].invariant
@@ -269,43 +276,34 @@ class Guard(Checker):
 
 
     # -- content reports ------------------------------------------------------------------
-    def _content_violation(self, rep: dict, index: int, rows: list) -> InvariantViolation:
-        """The first failing content rule of one forward, with the offending rows' context
-        tokens, the recorded argmax and the position where they part."""
-        k = next(i for i, m in enumerate(rows) if any(m))
+    def _content_violation(self, k: int, found: list, index: int) -> InvariantViolation:
+        """Content rule ``DEVICE_RULES[k]`` broken by rows of one forward, with each row's
+        context tokens, the kept ones, the recorded argmax and where they part."""
         inv, rid, sentence = DEVICE_RULES[k]
-        bad = [b for b, x in enumerate(rows[k]) if x]
-        ctx, n, chain, k0, k1, live, rec, idx = (
-            rep[x].tolist() for x in ("ctx", "n", "chain", "k0", "k1", "live", "rec", "idx"))
         prompts = self.content.spec.prompts
         slots, grid, which = [], [], []
-        for b in bad:
-            row = ctx[b][: n[b]]
-            if k > 0:  # the slots that break the rule (kept ones changed, or newly kept)
-                p = idx[b]
-                if k == 1:
-                    at = [j for j in range(min(k0[b], live[b])) if ctx[b][j] != chain[b][j]]
-                else:
-                    at = [j for j in range(max(k0[b], 0), k1[b])
-                          if rec[b][j] >= 0 and ctx[b][j] != rec[b][j]]
-            else:  # no prompt: where the context parts from the closest prompt
-                p, offset, part = closest_prompt(row, prompts)
+        for f in found:
+            ctx = f["ctx"]
+            if k == 0:  # no prompt: where the context parts from the closest prompt
+                p, offset, part = closest_prompt(ctx, prompts)
                 at = [part]
+                width = max(len(ctx), offset + len(prompts[p]))
+                lines = {"context": ctx, "prompt": [None] * offset + prompts[p]}
+            else:  # the slots that break the rule (kept ones changed, or newly kept)
+                p, at, chain, rec, kept = (f[x] for x in ("prompt", "at", "chain", "rec", "kept"))
+                width = max(len(ctx), len(prompts[p]))
+                lines = {"context": ctx,
+                         "kept": [chain[j] if j < kept and j < len(chain) else None
+                                  for j in range(width)],
+                         "argmax": [r if r >= 0 else None for r in rec[:width]]}
             which.append(p)
             slots.append(at)
             if len(grid) < MAX_GRID_ROWS:
-                width = max(n[b], len(prompts[p]))
-                lines = {"context": row}
-                if k == 0:
-                    lines["prompt"] = [None] * offset + prompts[p]
-                    width = max(width, offset + len(prompts[p]))
-                else:
-                    lines["kept"] = [chain[b][j] if j < k0[b] else None for j in range(width)]
-                    lines["argmax"] = [r if r >= 0 else None for r in rec[b][:width]]
-                grid.append(grid_row(f"row {b}", lines, at, grid_window(width, at)))
+                grid.append(grid_row(f"row {f['row']}", lines, at, grid_window(width, at)))
         trace = make_trace(
-            invariant=inv, step=index, phase="forward", rows=bad, slots=slots,
-            rules=[sentence], grid=grid, width=None, run=self.run, source="guard",
+            invariant=inv, step=index, phase="forward", rows=[f["row"] for f in found],
+            slots=slots, rules=[sentence], grid=grid, width=None, run=self.run,
+            source="guard",
             state={"rule": rid, "prompts": which, "model": type(self.model).__name__,
                    "greedy": self.content.spec.greedy})
         return InvariantViolation(trace)
