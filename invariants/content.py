@@ -88,8 +88,9 @@ _NOT_WATCHED = object()  # an update the content rules do not learn from
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     """[B, H, n, D] keys, [1, H, 1, D] multipliers -> [B, n] int64: an exact hash of the
     bits of every slot's keys."""
-    bits = keys.detach().float().view(torch.int32).long()
-    return (bits * mult).sum(dim=(1, 3))
+    keys = keys.detach()
+    bits = (keys if keys.dtype == torch.float32 else keys.float()).view(torch.int32).long()
+    return (bits * mult).sum(dim=3).sum(dim=1)
 
 
 def fingerprint_layer(cache) -> int | None:
@@ -145,10 +146,13 @@ class Content:
     fast mode); ``process`` then applies C1/C2 forward by forward, in order, on the host.
     """
 
-    def __init__(self, spec: ContentSpec, device, sink):
+    def __init__(self, spec: ContentSpec, device, sink, copy: bool = True):
         self.spec = spec
         self.device = device
         self._sink = sink  # appends an Entry to the guard's pending flags
+        # whether captures copy the loop's tensors (False: they are read before the forward
+        # runs, as in strict mode, so the loop cannot change them first)
+        self.copy = copy
         p = spec.prompts
         self.P = len(p)
         self.lmax = max(len(x) for x in p)
@@ -162,6 +166,7 @@ class Content:
         self.kept = list(self.plen_host)
         self.recs: list = [[] for _ in p]
         self._tree = _prompt_tree(p)
+        self._cands: dict = {}  # the first Lmax tokens of a context -> its candidate prompts
         self.table: dict = {}  # key fingerprint -> token
         self.unknown = 0  # rows skipped: a valid cached slot never seen written
         self.skipped = 0  # forwards whose context could not be read
@@ -287,7 +292,7 @@ class Content:
         every record is dropped, since this forward may replace tokens unseen."""
         self.skipped += 1
         self._last, self._fwd = None, None
-        self._stash = None if ids is None else ids.clone()
+        self._stash = None if ids is None else ids.clone() if self.copy else ids
         self._sink(("skip",) + ((None,) if ids is None else tuple(ids.shape)),
                    [] if ids is None else [self._stash.reshape(-1)])
 
@@ -307,10 +312,11 @@ class Content:
             self.watch(cache)
         self._count += 1
         self._fwd = (self._count, b, c + q)
-        ids = ids.clone()  # the loop may reuse its buffer before the flags are read
+        if self.copy:  # the loop may reuse its buffers before the flags are read
+            ids = ids.clone()
         self._stash = ids if cache is not None else None
-        v = None if valid is None else (valid.clone() if valid.dtype == torch.bool
-                                        else valid.bool())
+        v = valid if valid is None or (valid.dtype == torch.bool and not self.copy) \
+            else valid.clone() if valid.dtype == torch.bool else valid.bool()
         self._sink(("forward", self._count, b, q, c, cap[0], cap[1],
                     id(cache) if cache is not None else None, v is not None),
                    [ids.reshape(-1)] + ([] if v is None else [v.reshape(-1)]) + data)
@@ -433,7 +439,12 @@ class Content:
         starts with (or, a prefill in pieces, is a prefix of), (None, 0) when none: the
         longest agreement wins, then a prompt no other row of the forward took, then the
         first."""
-        cands = _walk(self._tree, ctx)
+        head = tuple(ctx[: self.lmax])  # the candidates depend on these tokens only
+        cands = self._cands.get(head)
+        if cands is None:
+            if len(self._cands) >= 4096:
+                self._cands.clear()
+            cands = self._cands[head] = _walk(self._tree, ctx)
         if not cands:
             return None, 0
         best, key = None, None

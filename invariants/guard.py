@@ -25,8 +25,10 @@ tokens:
   positions (GPT-2) and with ``positions="exact"`` any padding before a new token is.
 
 With ``prompts=`` (and ``max_new_tokens``, ``stop_token_ids``, ``greedy``) the guard also
-checks content, ``invariants.content``: C1 and C2 before each forward (device flags read
-with the coherence flags), an argmax record after it (a forward hook), C3 on the outputs
+checks content, ``invariants.content``: each forward's ids, mask and cache fingerprints
+are captured before it and the argmax of its logits after it (a forward hook), a few
+kernels and no host read; the captures are read with the coherence flags (the mode's one
+read) and C1/C2 run there, on the host, forward by forward; C3 on the outputs
 (``guard.check_outputs``).
 
 Hugging Face ``generate`` passes ``position_ids = cumsum(mask) - 1`` (padding slots 0,
@@ -103,7 +105,8 @@ class Guard(Checker):
         self.content: Content | None = None
         if prompts is not None:
             spec = ContentSpec(prompts, max_new_tokens, tuple(stop_token_ids or ()), greedy)
-            self.content = Content(spec, model_device(model), self._capture)
+            self.content = Content(spec, model_device(model), self._capture,
+                                   copy=self.mode == "fast")
         elif max_new_tokens is not None or stop_token_ids:
             raise ValueError("max_new_tokens and stop_token_ids describe the prompts: pass "
                              "prompts= too (content rules need them)")

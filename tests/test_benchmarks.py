@@ -126,3 +126,23 @@ def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, caps
         assert r["uploads"] == 0 and r["dynamic_shapes"] == 0 and r["ops_per_step"] > 0
         assert r["most_reads_in_a_step"] == {"fast": 0, "strict": 1}.get(config, r["most_reads_in_a_step"])
     assert "no upload, no data-dependent shape, fast reads nothing" in capsys.readouterr().out
+
+
+def test_guard_content_overhead_reports_every_workload_and_mode(tmp_path, capsys):
+    """Both workloads, both modes, silent and exact (the benchmark asserts it per run), with
+    the ratio the issue bounds and the kernels per forward counted."""
+    spec = importlib.util.spec_from_file_location(
+        "guard_content_overhead", ROOT / "benchmarks" / "guard_content_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gc.json"
+    assert mod.main(["--repeats", "1", "--budget", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["workload"], r["mode"]) for r in rows} == {
+        (w, m) for w in ("engine", "generate") for m in ("fast", "strict")}
+    for r in rows:
+        assert r["forwards"] > 0 and r["guard_kernels_per_forward"] > 0
+        assert r["content_kernels_per_forward"] > r["guard_kernels_per_forward"]
+        assert r["rules_over_guard_cpu"] == pytest.approx(
+            (r["content_cpu_us"] - r["guard_cpu_us"]) / r["guard_cpu_us"])
+    assert "rules/guard" in capsys.readouterr().out
