@@ -89,8 +89,8 @@ def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     """[B, H, n, D] keys, [1, H, 1, D] multipliers -> [B, n] int64: an exact hash of the
     bits of every slot's keys."""
     keys = keys.detach()
-    bits = (keys if keys.dtype == torch.float32 else keys.float()).view(torch.int32).long()
-    return (bits * mult).sum(dim=3).sum(dim=1)
+    bits = (keys if keys.dtype == torch.float32 else keys.float()).view(torch.int32)
+    return (bits * mult).sum(dim=3).sum(dim=1)  # int32 * int64: exact int64 products
 
 
 def fingerprint_layer(cache) -> int | None:
@@ -179,6 +179,10 @@ class Content:
         # (forward number, [B][W] slot tokens)
         self._seen: dict = {}
         self._slots: dict = {}
+        # learned keys not fingerprinted yet: (learn capture, its info, [B, H, q, D] keys)
+        self._refs: list = []
+        self._groups = 0  # runs of learned keys fingerprinted so far
+        self._group = None  # host side: (run number, its flat [B * W] fingerprints)
         self._stash = None  # the current forward's [B, q] ids copy, for the cache's update
         self._fwd = None  # the current forward's (number, b, c + q), for the cache's update
         self._count = 0  # forwards captured
@@ -262,10 +266,55 @@ class Content:
             else:
                 fwd = None
         if keys.dim() != 4 or keys.shape[0] != ids.shape[0] or keys.shape[2] != ids.shape[1]:
-            self._sink(("learn", id(cache), fwd and fwd[0], False), [])
+            self._sink(("learn", id(cache), fwd and fwd[0], None), [])
             return
-        fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3]))
-        self._sink(("learn", id(cache), fwd and fwd[0], True), [fp.reshape(-1)])
+        # the fingerprints are computed later, several forwards' keys at once (``settle``):
+        # the keys a forward wrote are a tensor of their own that nothing changes
+        info: dict = {}
+        entry = self._sink(("learn", id(cache), fwd and fwd[0], info), [])
+        self._refs.append((entry, info, keys.detach()))
+
+    def settle(self, cached: torch.Tensor | None = None):
+        """Fingerprint the keys learned since the last call, one ``cat`` and one
+        fingerprint per run of forwards with the same batch and head shape, together with
+        ``cached`` ([B, H, C, D]: a cache's slots to look up now) when its shape allows.
+        Each run's [B, W] fingerprints ride with the first of its learn captures; the
+        others (and the cache's slots) say where their columns are. Returns the cache's
+        capture: ("group", (number, first column, C, W)) or ("fp", None) with the
+        fingerprints as data."""
+        refs, self._refs = self._refs, []
+        runs: list = []
+        for ref in refs:
+            k = ref[2]
+            sig = (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+            if runs and runs[-1][0] == sig:
+                runs[-1][1].append(ref)
+            else:
+                runs.append((sig, [ref]))
+        out, data = ("fp", None), None
+        for i, (sig, members) in enumerate(runs):
+            parts = [k for _, _, k in members]
+            widths = [k.shape[2] for k in parts]
+            last = i == len(runs) - 1
+            if last and cached is not None and cached.dim() == 4 and (
+                    cached.shape[0], cached.shape[1], cached.shape[3], cached.dtype,
+                    cached.device) == sig:
+                parts.append(cached)
+            self._groups += 1
+            keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3]))
+            width = keys.shape[2]
+            members[0][0].masks.append(fp.reshape(-1))
+            at = 0
+            for (_, info, _), w in zip(members, widths):
+                info.update(group=self._groups, at=at, q=w, width=width, b=sig[0])
+                at += w
+            if len(parts) > len(members):
+                out = ("group", (self._groups, at, cached.shape[2], width))
+        if cached is not None and out[0] == "fp":
+            data = key_fingerprint(cached, self._mult_for(cached.shape[1], cached.shape[3]))
+            data = data.reshape(-1)
+        return out, [] if data is None else [data]
 
     def _cache_capture(self, cache, c: int, b: int):
         """How the host will know the tokens of the ``c`` cached slots: ("seen", forward
@@ -282,8 +331,7 @@ class Content:
         if seen is not None and seen[0] is keys and keys._version == seen[1] \
                 and keys.shape[2] == c:
             return ("seen", seen[2]), []  # the very tensor this guard saw written, untouched
-        fp = key_fingerprint(keys[:, :, :c], self._mult_for(keys.shape[1], keys.shape[3]))
-        return ("fp", None), [fp.reshape(-1)]
+        return self.settle(keys[:, :, :c])
 
     # -- the hooks: captures ---------------------------------------------------------------
     def skip(self, ids: torch.Tensor | None = None) -> None:
@@ -340,9 +388,14 @@ class Content:
             return self._forward(kind, rows)
         host = self._host
         if what == "learn":
-            _, cache_key, number, learned = kind
-            if learned and host is not None and host["ids"] is not None:
-                self.table.update(zip(rows[0], host["flat"]))
+            _, cache_key, number, info = kind
+            if info and host is not None and host["ids"] is not None:
+                if rows:  # the first learn capture of a run carries the run's fingerprints
+                    self._group = (info["group"], rows[0])
+                fps = self._columns(info["group"], info["at"], info["q"], info["width"],
+                                    info["b"])
+                if fps is not None:
+                    self.table.update(zip(fps, host["flat"]))
             if number is not None and host is not None and host["n"] == number:
                 self._slots[cache_key] = (number, host["tok"])
             else:
@@ -364,7 +417,7 @@ class Content:
         flat_ids = rows[0]
         ids = _split(flat_ids, b, q)
         valid = _split(rows[1], b, s) if has_valid else None
-        looked = how == "fp"
+        looked = how in ("fp", "group")
         if c == 0:
             tok = ids
         else:
@@ -374,7 +427,11 @@ class Content:
                     old = [[-2] * c for _ in range(b)]
                     looked = True
             else:
-                old = _split(list(map(self.table.get, rows[-1], repeat(-2))), b, c)
+                fps = rows[-1] if seen_at is None else self._columns(
+                    seen_at[0], seen_at[1], seen_at[2], seen_at[3], b)
+                if fps is None or len(fps) != b * c:
+                    fps = [None] * (b * c)
+                old = _split(list(map(self.table.get, fps, repeat(-2))), b, c)
             tok = [o + i for o, i in zip(old, ids)]
         host = {"n": number, "ids": ids, "flat": flat_ids, "tok": tok, "rows": []}
         self._host = host
@@ -411,7 +468,7 @@ class Content:
             # earlier forward presented it at the same place (a draft the loop did not
             # verify then, proposed again): it is kept only once a forward attends it as
             # decided
-            cached = (sum(v[:c]) if v is not None else c) if c else 0
+            cached = (n - sum(v[c:]) if v is not None else c) if c else 0
             k1 = min(agree, live, cached + 1)
             if agree < min(k0, live):  # C1: a kept token replaced
                 found.append((1, {"row": r, "ctx": ctx, "prompt": p, "chain": list(chain),
@@ -433,6 +490,19 @@ class Content:
             self.kept[p] = max(k0, k1)
             host["rows"].append((p, cached, None if v is None else v[c:]))
         return found
+
+    def _columns(self, group: int, at: int, q: int, width: int, b: int):
+        """[b * q] fingerprints, row by row, of columns at .. at + q - 1 of run ``group``
+        (None when that run's fingerprints are not the ones held)."""
+        if self._group is None or self._group[0] != group:
+            return None
+        flat = self._group[1]
+        if q == width:
+            return flat
+        out: list = []
+        for r in range(b):
+            out += flat[r * width + at: r * width + at + q]
+        return out
 
     def _match(self, ctx, claimed):
         """(prompt, agreement of ``ctx`` with its chain) of the registered prompt ``ctx``

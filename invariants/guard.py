@@ -218,11 +218,18 @@ class Guard(Checker):
             return
         content.before(ids, cache, ff.c, ff.mask2d)
 
-    def _capture(self, kind: tuple, data: list) -> None:
+    def _capture(self, kind: tuple, data: list) -> Entry:
         """A capture of the content rules: its tensors wait with the coherence flags for
         the mode's host read, then ``report`` hands them to ``Content.process``."""
-        self._pending.append(Entry(data, host_failure=True,
-                                   context={"content": kind, "index": self.forwards - 1}))
+        entry = Entry(data, host_failure=True,
+                      context={"content": kind, "index": self.forwards - 1})
+        self._pending.append(entry)
+        return entry
+
+    def read(self) -> None:
+        if self.content is not None:
+            self.content.settle()  # the learned keys' fingerprints join the read
+        super().read()
 
     def _post(self, module, args, output):
         logits = getattr(output, "logits", None)
