@@ -46,7 +46,11 @@ by forward in order, over host lists: per registered prompt the tokens last pres
 each context position, the kept length (the kept tokens are always a prefix: a token is
 kept only when every token before it is, the prompt from the start) and the argmax
 recorded at each position. A row is matched to its prompt through a radix tree of the
-prompts, its context compared with the chain by slice comparisons.
+prompts, its context compared with the chain by slice comparisons. The keys a forward
+writes are fingerprinted later, several forwards at once and together with the cache
+slots a lookup needs (one ``cat``, one fingerprint). Fast mode keeps the captures (and
+the written keys of the fingerprint layer) on the device until the read: in a long block,
+call ``guard.check()`` now and then.
 
 Known limits: rows of identical prompts are told apart by their agreement with each
 chain and, within one forward, by taking a prompt no other row took: under sampling, a
