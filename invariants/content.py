@@ -191,8 +191,11 @@ class Content:
         self._fwd = None  # the current forward's (number, b, c + q), for the cache's update
         self._count = 0  # forwards captured
         self._last = None  # what the current forward's record hook needs
-        # host side: the last forward processed, for its learned keys and its records
+        # host side: the last forward processed, for its learned keys and its records; the
+        # (prompt, ...) of each row of the last forward and of the one before
         self._host = None
+        self._host_rows: list = []
+        self._host_prev: list = []
 
     # -- the cache ---------------------------------------------------------------------------
     def _mult_for(self, h: int, d: int) -> torch.Tensor:
@@ -439,7 +442,9 @@ class Content:
             tok = [o + i for o, i in zip(old, ids)]
         host = {"n": number, "ids": ids, "flat": flat_ids, "tok": tok, "rows": []}
         self._host = host
+        self._host_prev, self._host_rows = self._host_rows, host["rows"]
         found, claimed = [], set()
+        prev = [x[0] if x else None for x in self._host_prev]
         for r in range(b):
             v = valid[r] if valid is not None else None
             ctx = tok[r] if v is None else list(compress(tok[r], v))
@@ -451,7 +456,20 @@ class Content:
                 self.unknown += 1
                 host["rows"].append(None)
                 continue
-            p, agree = self._match(ctx, claimed)
+            # the prompt this batch row had in the last forward, while the context still
+            # agrees with its whole chain (no other chain agrees longer but one a swapped
+            # row of an identical prompt took); else a match against every prompt
+            p = prev[r] if r < len(prev) else None
+            if p is not None:
+                chain = self.chains[p]
+                m = min(n, len(chain))
+                if p not in claimed and m >= min(self.plen_host[p], n) \
+                        and chain[:m] == ctx[:m]:
+                    agree = m
+                else:
+                    p = None
+            if p is None:
+                p, agree = self._match(ctx, claimed)
             if p is None:
                 found.append((0, {"row": r, "ctx": ctx}))
                 host["rows"].append(None)
