@@ -224,7 +224,12 @@ class Content:
         old = vars(cache).get("update")
         inner = cache.update
 
+        key, layers = id(cache), self._layer
+
         def update(key_states, value_states, layer_idx, *args, **kwargs):
+            known = layers.get(key)
+            if (known is not None and layer_idx != known) or self._stash is None:
+                return inner(key_states, value_states, layer_idx, *args, **kwargs)
             before = self._watching(cache, layer_idx)
             out = inner(key_states, value_states, layer_idx, *args, **kwargs)
             if before is not _NOT_WATCHED:
@@ -239,7 +244,8 @@ class Content:
                 cache.update = old
             else:
                 vars(cache).pop("update", None)
-        self._wrapped, self._layer, self._seen = [], {}, {}
+        self._wrapped, self._seen = [], {}
+        self._layer.clear()  # in place: the wrappers' closures hold this dict
 
     def _watching(self, cache, layer_idx: int):
         """Before ``cache.update``: the keys tensor of layer ``layer_idx`` when the update
