@@ -162,7 +162,7 @@ class Content:
         self.lmax = max(len(x) for x in p)
         self.plen_host = [len(x) for x in p]
         self.stop_set = frozenset(spec.stop_token_ids)
-        # per prompt: the token last presented at each context position (-1: none), the
+        # per prompt: the tokens last presented at context positions 0, 1, ..., the
         # kept length (positions 0 .. K-1 are kept; the prompt from the start: a token is
         # kept only when every token before it is, so the kept tokens are a prefix), the
         # argmax recorded at each position (-1: none)
