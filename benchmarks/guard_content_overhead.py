@@ -9,14 +9,27 @@ same machine noise:
 - ``generate``: Hugging Face ``generate``, greedy, the same prompts left-padded in batches
   of 8, 24 new tokens;
 
-each under ``guard_model(target, mode)`` without prompts (``guard``) and with prompts
-(``content``: C1/C2 before every forward, the argmax record after it, the cache's wrapped
-update), for ``--modes`` (default fast and strict). The time inside the guard's hooks is
-measured directly (``perf_counter`` around the pre-hook, the post-hook and the learned
-update; the strict mode's host read is inside the pre-hook), summed per run and divided by
-the number of forwards. Printed: the median hook microseconds per forward of each, and
-``content / guard``, the ratio the issue bounds by 2; also the whole run's median wall
-seconds, for scale. ``--json`` writes everything.
+each under ``guard_model(target, mode)`` without prompts (``guard``: the coherence
+checks) and with prompts (``content``: the same plus C1/C2 before every forward, the
+argmax record after it, the cache's wrapped update), for ``--modes`` (default fast and
+strict). The time inside the guard's hooks is measured directly (``perf_counter`` and the
+thread's CPU time around the pre-hook, the post-hook and the content rules' work in the
+cache's wrapped update, whose own test of the layer, a dict lookup, is not timed; the
+strict mode's host read is inside the pre-hook; the end-of-run ``check`` and
+``check_outputs``, where fast mode reads and applies the rules, are added), summed per
+run and divided by the number of forwards. Printed per workload and mode, from the
+per-run hook microseconds per forward:
+
+- ``guard us`` and ``content us``: the median over the repeats, and ``min`` beside it (the
+  machine is shared: the minimum is the least disturbed run);
+- ``rules/guard``: what the content rules add, ``(content - guard) / guard``, the ratio the
+  issue bounds by 2 ("the content rules cost at most 2x the guard's current cost per
+  forward"), from the medians and from the minima; ``total/guard``: ``content / guard``;
+- ``ops``: aten ops per forward dispatched inside the hooks, counted in one more untimed
+  run under a ``TorchDispatchMode`` (kernels, then views/scalars apart): the cost a GPU
+  pays per launch, independent of the machine's load;
+
+also the whole run's median wall seconds, for scale. ``--json`` writes everything.
 
     python benchmarks/guard_content_overhead.py --repeats 7
 """
@@ -35,6 +48,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import specdec  # noqa: E402
@@ -50,24 +64,59 @@ def prompts_for(n: int, vocab: int, seed: int = 0):
 
 
 def timed(fn, box):
+    """``fn``, adding its wall seconds to ``box[0]`` and its thread CPU seconds (what the
+    hook computed, without the waits of a shared machine) to ``box[1]``."""
     def wrapped(*a, **k):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **k)
         finally:
             box[0] += time.perf_counter() - t
+            box[1] += time.thread_time() - c
     return wrapped
 
 
-def run_once(workload: str, target, prompts, budget, mode, content: bool):
-    """(hook seconds, forwards, wall seconds) of one guarded run."""
-    box = [0.0]
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while ``on`` is set: kernels, and views or host
+    scalars (an alias of an input, ``scalar_tensor``: no kernel on a GPU) apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.on, self.kernels, self.views = False, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            ret = func._schema.returns
+            alias = ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write
+            if alias or func._schema.name == "aten::scalar_tensor":
+                self.views += 1
+            else:
+                self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn, ops):
+    def wrapped(*a, **k):
+        was, ops.on = ops.on, True
+        try:
+            return fn(*a, **k)
+        finally:
+            ops.on = was
+    return wrapped
+
+
+def run_once(workload: str, target, prompts, budget, mode, content: bool, ops=None):
+    """((hook wall seconds, hook CPU seconds), forwards, run wall seconds) of one guarded
+    run; with ``ops`` (an active ``OpCount``) the hooks' ops are counted instead."""
+    box = [0.0, 0.0]
     kw = dict(prompts=prompts, max_new_tokens=budget) if content else {}
     g = Guard(target, mode, **kw)
-    g._pre = timed(g._pre, box)
+    wrap = (lambda fn: counted(fn, ops)) if ops is not None else (lambda fn: timed(fn, box))
+    g._pre = wrap(g._pre)
     if content:
-        g._post = timed(g._post, box)
-        g.content._learn = timed(g.content._learn, box)
+        g._post = wrap(g._post)
+        g.content._learn = wrap(g.content._learn)
+        g.content._watching = wrap(g.content._watching)
     g.install()
     t = time.perf_counter()
     try:
@@ -86,17 +135,15 @@ def run_once(workload: str, target, prompts, budget, mode, content: bool):
                 gen = target.generate(ids, attention_mask=mask, max_new_tokens=budget,
                                       do_sample=False, pad_token_id=2, eos_token_id=None)
                 outs += gen[:, w:].tolist()
-        t0 = time.perf_counter()
-        g.check()
-        box[0] += time.perf_counter() - t0
+        check = wrap(g.check)
+        check()
     finally:
         g.remove()
     wall = time.perf_counter() - t
     if content:
-        t0 = time.perf_counter()
-        assert g.check_outputs(outs) == [] and g.content.skipped == 0
-        box[0] += time.perf_counter() - t0
-    return box[0], g.forwards, wall
+        outputs = wrap(g.check_outputs)
+        assert outputs(outs) == [] and g.content.skipped == 0 and g.content.unknown == 0
+    return tuple(box), g.forwards, wall
 
 
 def main(argv=None) -> int:
@@ -121,26 +168,50 @@ def main(argv=None) -> int:
         order = configs[r % len(configs):] + configs[: r % len(configs)]
         for cfg in order:
             samples[cfg].append(run_once(cfg[0], target, prompts, args.budget, cfg[1], cfg[2]))
+    opcounts = {}
+    with OpCount() as ops:
+        for cfg in configs:
+            ops.kernels = ops.views = 0
+            _, f, _ = run_once(cfg[0], target, prompts, args.budget, cfg[1], cfg[2], ops)
+            opcounts[cfg] = (ops.kernels / f, ops.views / f)
     print(f"model {args.model}, {len(prompts)} prompts, budget {args.budget}, "
           f"{args.repeats} interleaved repeats, torch threads 1")
-    print(f"{'workload':9} {'mode':7} {'forwards':>8} {'guard us/fwd':>13} "
-          f"{'content us/fwd':>15} {'content/guard':>14} {'wall guard s':>13} {'wall content s':>15}")
+    print("hook microseconds per forward (median over the repeats; min: the least disturbed "
+          "run; cpu: the hooks' thread CPU time, median)")
+    print(f"{'workload':9} {'mode':7} {'fwds':>4} | {'guard':>6} {'min':>5} {'cpu':>5} | "
+          f"{'content':>7} {'min':>5} {'cpu':>5} | {'rules/guard':>11} {'min':>5} {'cpu':>5} | "
+          f"{'ops guard':>10} {'ops content':>11}")
     report = []
     for w in args.workloads:
         for m in args.modes:
             per = {}
             for c in (False, True):
                 s = samples[(w, m, c)]
-                per[c] = (statistics.median(h / f for h, f, _ in s), s[0][1],
-                          statistics.median(x for _, _, x in s))
-            ratio = per[True][0] / per[False][0]
-            print(f"{w:9} {m:7} {per[True][1]:8d} {per[False][0] * 1e6:13.0f} "
-                  f"{per[True][0] * 1e6:15.0f} {ratio:14.2f} {per[False][2]:13.3f} "
-                  f"{per[True][2]:15.3f}")
-            report.append({"workload": w, "mode": m, "forwards": per[True][1],
-                           "guard_us_per_forward": per[False][0] * 1e6,
-                           "content_us_per_forward": per[True][0] * 1e6, "ratio": ratio,
-                           "wall_guard_s": per[False][2], "wall_content_s": per[True][2]})
+                us = [h[0] / f * 1e6 for h, f, _ in s]
+                cpu = [h[1] / f * 1e6 for h, f, _ in s]
+                per[c] = (statistics.median(us), min(us), statistics.median(cpu), s[0][1],
+                          statistics.median(x for _, _, x in s), opcounts[(w, m, c)])
+            g, c = per[False], per[True]
+            rules = [(c[i] - g[i]) / g[i] for i in range(3)]
+            print(f"{w:9} {m:7} {c[3]:4d} | {g[0]:6.0f} {g[1]:5.0f} {g[2]:5.0f} | "
+                  f"{c[0]:7.0f} {c[1]:5.0f} {c[2]:5.0f} | {rules[0]:11.2f} {rules[1]:5.2f} "
+                  f"{rules[2]:5.2f} | {g[5][0]:4.1f}+{g[5][1]:<5.1f} {c[5][0]:5.1f}+{c[5][1]:<5.1f}")
+            report.append({"workload": w, "mode": m, "forwards": c[3],
+                           "guard_us_per_forward": g[0], "guard_us_min": g[1],
+                           "guard_cpu_us": g[2],
+                           "content_us_per_forward": c[0], "content_us_min": c[1],
+                           "content_cpu_us": c[2],
+                           "rules_over_guard": rules[0], "rules_over_guard_min": rules[1],
+                           "rules_over_guard_cpu": rules[2],
+                           "total_over_guard": c[0] / g[0],
+                           "guard_kernels_per_forward": g[5][0],
+                           "guard_views_per_forward": g[5][1],
+                           "content_kernels_per_forward": c[5][0],
+                           "content_views_per_forward": c[5][1],
+                           "wall_guard_s": g[4], "wall_content_s": c[4]})
+    print("rules/guard = (content - guard) / guard: what the content rules add per forward, "
+          "in units of the guard's own cost (the issue's bound: 2); ops = kernels+views per "
+          "forward inside the hooks (and the end-of-run reads)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "repeats": args.repeats, "rows": report}, f, indent=1)

@@ -26,33 +26,46 @@ given and, at the end, the outputs. From those it checks
   without a stop is reported with the argmax the model predicted there.
 
 Where the tokens of the cache come from: the guard wraps the cache's ``update`` (for the
-forwards it sees) and fingerprints the keys written to one full-attention layer; before
-each forward it fingerprints that layer's cached keys and looks each slot up. Keys are
-copied exactly by any realignment, row drop or reorder, so slots are followed wherever a
-loop moves them. A fingerprint is an integer hash of the key's bits (exact, independent
-of reduction order). A slot the guard never saw written (a cache filled outside the block,
-a cache with only sliding-window layers, a legacy tuple cache) makes its row unknown: the
-row is not checked (``Content.unknown`` counts such rows) rather than falsely flagged.
+forwards it sees) and fingerprints the keys written to one full-attention layer. Before a
+forward, while the cache still holds the very keys tensor its last update made (the same
+object, its version counter unchanged: a dynamic cache that only grew), its slots are
+that forward's slots; otherwise the guard fingerprints that layer's cached keys and looks
+each slot up. Keys are copied exactly by any realignment, row drop or reorder, so slots
+are followed wherever a loop moves them. A fingerprint is an integer hash of the key's
+bits (exact, independent of reduction order). A slot the guard never saw written (a
+cache filled outside the block, a cache with only sliding-window layers, a legacy tuple
+cache) makes its row unknown: the row is not checked (``Content.unknown`` counts such
+rows) rather than falsely flagged.
 
-State per registered prompt ``p`` over context positions ``t`` (all device tensors; an
-extra row ``P`` absorbs writes of unmatched rows): ``state[p, t]`` holds the token last presented
-at ``t``, whether a later forward kept it, and the argmax recorded for ``t``. Nothing here reads a tensor on the host, uploads host data or makes a
-data-dependent shape, except ``check_outputs`` and the reports (one read each).
+Where the work is done: the hooks only capture, by a few kernels per forward and with no
+host read, upload or data-dependent shape, what the rules need (a copy of the ids and of
+the valid mask, the fingerprints, the argmax of the logits). The captures wait with the
+coherence flags for the mode's one host read (per forward in strict mode, before the
+forward runs; at ``check()`` in fast mode), and the rules then run on the host, forward
+by forward in order, over host lists: per registered prompt the tokens last presented at
+each context position, the kept length (the kept tokens are always a prefix: a token is
+kept only when every token before it is, the prompt from the start) and the argmax
+recorded at each position. A row is matched to its prompt through a radix tree of the
+prompts, its context compared with the chain by slice comparisons. The keys a forward
+writes are fingerprinted later, several forwards at once and together with the cache
+slots a lookup needs (one ``cat``, one fingerprint). Fast mode keeps the captures (and
+the written keys of the fingerprint layer) on the device until the read: in a long block,
+call ``guard.check()`` now and then.
 
-Known limits: identical prompts under sampling (``greedy=False``) share one chain, so
-only the first such row is checked by C1; a context position is matched to the longest
-registered prompt it agrees with.
+Known limits: rows of identical prompts are told apart by their agreement with each
+chain and, within one forward, by taking a prompt no other row took: under sampling, a
+loop that reorders such rows between forwards can make their chains swap, and
+``check_outputs`` then reports C3 on outputs that are right.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress, repeat
 
 import torch
 
 from ._hf import cache_layers
-from .predicates import valid_before
-from .rules import Constants
 
 #: the content rules' sentences, by id
 C1_PROMPT = ("C1", "content.prompt",
@@ -73,13 +86,15 @@ C3_ARGMAX = ("C3", "outputs.argmax",
 DEVICE_RULES = (C1_PROMPT, C1_KEPT, C2_ARGMAX)
 
 _HASH = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant, as a signed int64
-_END = -3  # past the end of a context: equal to no token and to no chain entry
+_NOT_WATCHED = object()  # an update the content rules do not learn from
 
 
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
-    """[B, H, n, D] keys -> [B, n] int64: an exact hash of the bits of every slot's keys."""
-    bits = keys.detach().float().contiguous().view(torch.int32).long()
-    return (bits * mult[: keys.shape[1], : keys.shape[3]][None, :, None, :]).sum(dim=(1, 3))
+    """[B, H, n, D] keys, [1, H, 1, D] multipliers -> [B, n] int64: an exact hash of the
+    bits of every slot's keys."""
+    keys = keys.detach()
+    bits = (keys if keys.dtype == torch.float32 else keys.float()).view(torch.int32)
+    return (bits * mult).sum(dim=3).sum(dim=1)  # int32 * int64: exact int64 products
 
 
 def fingerprint_layer(cache) -> int | None:
@@ -124,66 +139,70 @@ class ContentSpec:
 
 
 class Content:
-    """The content state of one guard: per-prompt chains, records, the fingerprint table."""
+    """The content state of one guard: per-prompt chains, kept lengths and argmax records
+    (host lists), the fingerprint table (a host dict), and the hooks' side.
 
-    def __init__(self, spec: ContentSpec, device):
+    The hooks only capture, on the device and by a few kernels per forward, what the
+    content rules need: the forward's ids and valid mask (copies), the fingerprints of the
+    cache's slots when the cache may have moved, of the keys it writes, and the argmax of
+    its logits. Each capture is an ``Entry`` of the guard, read with its coherence flags
+    in the one host transfer of the mode (per forward in strict mode, at ``check()`` in
+    fast mode); ``process`` then applies C1/C2 forward by forward, in order, on the host.
+    """
+
+    def __init__(self, spec: ContentSpec, device, sink, copy: bool = True):
         self.spec = spec
         self.device = device
+        self._sink = sink  # appends an Entry to the guard's pending flags
+        # whether captures copy the loop's tensors (False: they are read before the forward
+        # runs, as in strict mode, so the loop cannot change them first)
+        self.copy = copy
         p = spec.prompts
         self.P = len(p)
         self.lmax = max(len(x) for x in p)
         self.plen_host = [len(x) for x in p]
-        # built once, outside any hook: the only uploads the content rules make
-        # [P, Lmax] long: prompt tokens, -1 past each prompt
-        self.prompt = torch.tensor([x + [-1] * (self.lmax - len(x)) for x in p],
-                                   dtype=torch.long, device=device)
-        # [P + 1] long: prompt lengths (the extra row: unmatched rows' writes)
-        self.plen = torch.tensor(self.plen_host + [0], dtype=torch.long, device=device)
-        # [S] long: stop ids (S may be 0)
-        self.stops = torch.tensor(list(spec.stop_token_ids), dtype=torch.long, device=device)
-        self.T = 0
-        # [P + 1, T, 3] long: per prompt (row P: the writes of unmatched rows) and context
-        # position, the token last presented there (-1: none), whether a later forward
-        # kept it (0/1), the argmax recorded for it (-1: none)
-        self.state = None
-        self._consts = Constants()  # arange rows and counts, by fill kernels
-        self._grow(self.lmax + (spec.max_new_tokens or 0) + 8)
-        self.state[: self.P, : self.lmax, 0] = self.prompt  # prompts count as presented
-        # fingerprint table: [M] int64 sorted fingerprints, [M] long their tokens
-        self.fp = torch.full((0,), 0, dtype=torch.long, device=device)
-        self.fp_tok = torch.full((0,), 0, dtype=torch.long, device=device)
-        # [1] long: rows skipped because a valid slot's token was unknown
-        self._unknown = torch.zeros(1, dtype=torch.long, device=device)
+        self.stop_set = frozenset(spec.stop_token_ids)
+        # per prompt: the tokens last presented at context positions 0, 1, ..., the
+        # kept length (positions 0 .. K-1 are kept; the prompt from the start: a token is
+        # kept only when every token before it is, so the kept tokens are a prefix), the
+        # argmax recorded at each position (-1: none)
+        self.chains = [list(x) for x in p]
+        self.kept = list(self.plen_host)
+        self.recs: list = [[] for _ in p]
+        self._tree = _prompt_tree(p)
+        self._cands: dict = {}  # the first Lmax tokens of a context -> its candidate prompts
+        self.table: dict = {}  # key fingerprint -> token
+        self.unknown = 0  # rows skipped: a valid cached slot never seen written
+        self.skipped = 0  # forwards whose context could not be read
         self._mult = {}
         self._wrapped: list = []  # (cache, had_attribute, old attribute)
         self._layer: dict = {}  # id(cache) -> fingerprint layer index (once known)
-        self._stash = None  # the current forward's [B, q] ids, for the cache's update
-        self.skipped = 0  # forwards whose context could not be read (host count)
+        # hook side, id(cache) -> (keys tensor, its version, forward number) after the last
+        # forward that appended to it: while the cache holds that very tensor, unchanged,
+        # its slots are that forward's (no fingerprint); host side, id(cache) ->
+        # (forward number, [B][W] slot tokens)
+        self._seen: dict = {}
+        self._slots: dict = {}
+        # learned keys not fingerprinted yet: (learn capture, its info, [B, H, q, D] keys)
+        self._refs: list = []
+        self._groups = 0  # runs of learned keys fingerprinted so far
+        self._group = None  # host side: (run number, its flat [B * W] fingerprints)
+        self._stash = None  # the current forward's [B, q] ids copy, for the cache's update
+        self._fwd = None  # the current forward's (number, b, c + q), for the cache's update
+        self._count = 0  # forwards captured
         self._last = None  # what the current forward's record hook needs
+        # host side: the last forward processed, for its learned keys and its records; the
+        # (prompt, ...) of each row of the last forward and of the one before
+        self._host = None
+        self._host_rows: list = []
+        self._host_prev: list = []
 
-    # -- state size ----------------------------------------------------------------------
-    def _grow(self, t: int) -> None:
-        """Make room for context positions 0 .. t-1 (new columns by fill kernels)."""
-        if t <= self.T:
-            return
-        t = max(t, 2 * self.T)
-        new = torch.full((self.P + 1, t, 3), -1, dtype=torch.long, device=self.device)
-        new[:, :, 1].fill_(0)
-        if self.state is not None:
-            new[:, : self.T] = self.state
-        self.state, self.T = new, t
-
-    @property
-    def unknown(self) -> int:
-        """Rows skipped so far because a cached slot was never seen written (a host read)."""
-        return int(self._unknown.item())
-
-    # -- the cache's tokens ----------------------------------------------------------------
+    # -- the cache ---------------------------------------------------------------------------
     def _mult_for(self, h: int, d: int) -> torch.Tensor:
         m = self._mult.get((h, d))
         if m is None:
             i = torch.arange(h * d, device=self.device, dtype=torch.long).view(h, d)
-            m = self._mult[(h, d)] = (i * 2 + 1) * _HASH
+            m = self._mult[(h, d)] = ((i * 2 + 1) * _HASH)[None, :, None, :]
         return m
 
     def layer_of(self, cache) -> int | None:
@@ -205,10 +224,16 @@ class Content:
         old = vars(cache).get("update")
         inner = cache.update
 
+        key, layers = id(cache), self._layer
+
         def update(key_states, value_states, layer_idx, *args, **kwargs):
+            known = layers.get(key)
+            if (known is not None and layer_idx != known) or self._stash is None:
+                return inner(key_states, value_states, layer_idx, *args, **kwargs)
+            before = self._watching(cache, layer_idx)
             out = inner(key_states, value_states, layer_idx, *args, **kwargs)
-            if self._stash is not None and layer_idx == self.layer_of(cache):
-                self._learn(key_states)
+            if before is not _NOT_WATCHED:
+                self._learn(key_states, cache, layer_idx, before)
             return out
         cache.update = update
         self._wrapped.append((cache, had, old))
@@ -219,158 +244,423 @@ class Content:
                 cache.update = old
             else:
                 vars(cache).pop("update", None)
-        self._wrapped, self._layer = [], {}
+        self._wrapped, self._seen = [], {}
+        self._layer.clear()  # in place: the wrappers' closures hold this dict
 
-    def _learn(self, keys: torch.Tensor) -> None:
-        ids = self._stash
+    def _watching(self, cache, layer_idx: int):
+        """Before ``cache.update``: the keys tensor of layer ``layer_idx`` when the update
+        is one to learn from (a captured forward, the fingerprint layer or layers not made
+        yet), else _NOT_WATCHED."""
+        if self._stash is None:
+            return _NOT_WATCHED
+        layer = self.layer_of(cache)
+        if layer is None:
+            return None
+        if layer_idx != layer:
+            return _NOT_WATCHED
+        return _layer_keys(cache, layer_idx, tensor_only=True)
+
+    def _learn(self, keys: torch.Tensor, cache=None, layer_idx: int = 0, before=None) -> None:
+        """Capture the fingerprints of the keys this forward wrote to the fingerprint
+        layer ``layer_idx`` of ``cache`` (their tokens: the forward's ids), and whether the
+        cache now holds a new keys tensor with the old slots followed by this forward's (a
+        dynamic cache): while it holds that very tensor, unchanged, its slots are known
+        without a fingerprint."""
+        if cache is not None and layer_idx != self.layer_of(cache):
+            return  # the layers exist once the first update made them
+        after = _layer_keys(cache, layer_idx, tensor_only=True) if cache is not None else None
+        ids, fwd = self._stash, self._fwd
+        if cache is not None:
+            self._seen.pop(id(cache), None)
+            if fwd is not None and isinstance(after, torch.Tensor) and after is not before \
+                    and after.dim() == 4 and not after.is_inference() \
+                    and (after.shape[0], after.shape[2]) == (fwd[1], fwd[2]):
+                self._seen[id(cache)] = (after, after._version, fwd[0])
+            else:
+                fwd = None
         if keys.dim() != 4 or keys.shape[0] != ids.shape[0] or keys.shape[2] != ids.shape[1]:
+            self._sink(("learn", id(cache), fwd and fwd[0], None), [])
             return
-        fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3])).reshape(-1)
-        allfp = torch.cat([self.fp, fp])
-        self.fp, order = allfp.sort()
-        self.fp_tok = torch.cat([self.fp_tok, ids.reshape(-1)])[order]
+        # the fingerprints are computed later, several forwards' keys at once (``settle``):
+        # the keys a forward wrote are a tensor of their own that nothing changes
+        info: dict = {}
+        entry = self._sink(("learn", id(cache), fwd and fwd[0], info), [])
+        self._refs.append((entry, info, keys.detach()))
 
-    def cached_tokens(self, cache, c: int, b: int) -> torch.Tensor | None:
-        """[B, C] long: the token at every cache slot (-2 where never seen), or None when
-        the cache cannot be read."""
+    def settle(self, cached: torch.Tensor | None = None):
+        """Fingerprint the keys learned since the last call, one ``cat`` and one
+        fingerprint per run of forwards with the same batch and head shape, together with
+        ``cached`` ([B, H, C, D]: a cache's slots to look up now) when its shape allows.
+        Each run's [B, W] fingerprints ride with the first of its learn captures; the
+        others (and the cache's slots) say where their columns are. Returns the cache's
+        capture: ("group", (number, first column, C, W)) or ("fp", None) with the
+        fingerprints as data."""
+        refs, self._refs = self._refs, []
+        runs: list = []
+        for ref in refs:
+            k = ref[2]
+            sig = (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+            if runs and runs[-1][0] == sig:
+                runs[-1][1].append(ref)
+            else:
+                runs.append((sig, [ref]))
+        out, data = ("fp", None), None
+        for i, (sig, members) in enumerate(runs):
+            parts = [k for _, _, k in members]
+            widths = [k.shape[2] for k in parts]
+            last = i == len(runs) - 1
+            if last and cached is not None and cached.dim() == 4 and (
+                    cached.shape[0], cached.shape[1], cached.shape[3], cached.dtype,
+                    cached.device) == sig:
+                parts.append(cached)
+            self._groups += 1
+            keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3]))
+            width = keys.shape[2]
+            members[0][0].masks.append(fp.reshape(-1))
+            at = 0
+            for (_, info, _), w in zip(members, widths):
+                info.update(group=self._groups, at=at, q=w, width=width, b=sig[0])
+                at += w
+            if len(parts) > len(members):
+                out = ("group", (self._groups, at, cached.shape[2], width))
+        if cached is not None and out[0] == "fp":
+            data = key_fingerprint(cached, self._mult_for(cached.shape[1], cached.shape[3]))
+            data = data.reshape(-1)
+        return out, [] if data is None else [data]
+
+    def _cache_capture(self, cache, c: int, b: int):
+        """How the host will know the tokens of the ``c`` cached slots: ("seen", forward
+        number), ("fp", [B * C] fingerprints), or None when the cache cannot be read."""
         self.watch(cache)
         layer = self.layer_of(cache)
         if layer is None:
             return None
-        keys = getattr(cache_layers(cache)[layer], "keys", None)
+        keys = _layer_keys(cache, layer)
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[0] != b \
                 or keys.shape[2] < c:
             return None
-        fp = key_fingerprint(keys[:, :, :c], self._mult_for(keys.shape[1], keys.shape[3]))
-        if self.fp.shape[0] == 0:
-            return torch.full((b, c), -2, dtype=torch.long, device=keys.device)
-        at = torch.searchsorted(self.fp, fp).clamp(max=self.fp.shape[0] - 1)
-        return torch.where(self.fp[at] == fp, self.fp_tok[at], -2)
+        seen = self._seen.get(id(cache))
+        if seen is not None and seen[0] is keys and keys._version == seen[1] \
+                and keys.shape[2] == c:
+            return ("seen", seen[2]), []  # the very tensor this guard saw written, untouched
+        return self.settle(keys[:, :, :c])
 
-    # -- one forward ---------------------------------------------------------------------
+    # -- the hooks: captures ---------------------------------------------------------------
     def skip(self, ids: torch.Tensor | None = None) -> None:
         """A forward whose context cannot be read (a prepared 4-D mask, an unreadable
         cache): its tokens are still learned (``ids``, when its cache is watched), and
         every record is dropped, since this forward may replace tokens unseen."""
         self.skipped += 1
-        self._stash, self._last = ids, None
-        self.state[:, :, 2].fill_(-1)
+        self._last, self._fwd = None, None
+        self._stash = None if ids is None else ids.clone() if self.copy else ids
+        self._sink(("skip",) + ((None,) if ids is None else tuple(ids.shape)),
+                   [] if ids is None else [self._stash.reshape(-1)])
 
-    def before(self, ids: torch.Tensor, cache, c: int, valid: torch.Tensor | None):
-        """Check C1/C2 for one forward of ``ids`` [B, q] over ``c`` cache slots with
-        ``valid`` [B, c + q] (None: every slot). Returns ([B] masks by DEVICE_RULES,
-        report context) or None when the forward cannot be read."""
+    def before(self, ids: torch.Tensor, cache, c: int, valid: torch.Tensor | None) -> bool:
+        """Capture one forward of ``ids`` [B, q] over ``c`` cache slots with ``valid``
+        [B, c + q] (None: every slot) for C1/C2; False when its context cannot be read."""
         b, q = ids.shape
-        self._stash = ids if cache is not None else None
         self._last = None
-        unknown = None
+        cap, data = ("none", None), []
         if c > 0:
-            old = self.cached_tokens(cache, c, b) if cache is not None else None
-            if old is None:
-                self.skip(self._stash)
-                return None
-            tok = torch.cat([old, ids], dim=1)
-        else:
-            if cache is not None:
-                self.watch(cache)
-            tok = ids
-        s = c + q
-        self._grow(max(s, self.lmax) + 1)
-        t = self.T
-        dev = ids.device
-        pos = self._consts.row(t, dev)  # [1, T]
-        if valid is None:
-            rank, n, col = pos[:, :s].expand(b, s), self._consts.count(s, b, dev), None
-            cached = self._consts.count(c, b, dev)  # [B] long: valid cached slots
-        else:
-            valid = valid.bool()
-            rank = valid_before(valid)  # [B, S] long
-            n = valid.sum(dim=1)  # [B]
-            col = torch.where(valid, rank, t)
-            cached = valid[:, :c].sum(dim=1)
-        # [B, T] long: the valid context read left to right, _END past its end
-        ctx = torch.full((b, t + 1), _END, dtype=torch.long, device=dev)
-        if col is None:
-            ctx[:, :s] = tok
-        else:
-            ctx.scatter_(1, col, tok)
-        ctx = ctx[:, :t]
-        in_ctx = pos < n[:, None]
-        # match every row against every prompt ([B, P]): the chains begin with the prompts,
-        # so a context agreeing with chain p over min(its length, len(p)) tokens starts
-        # with prompt p (or is a prefix of it: a prefill in pieces); the longest agreement
-        # wins
-        agree = (ctx[:, None, :] == self.state[None, : self.P, :, 0]).cumprod(dim=2).sum(dim=2)
-        score = torch.where(agree >= torch.minimum(self.plen[None, : self.P], n[:, None]),
-                            agree + 1, 0)
-        best, top = score.argmax(dim=1), score.amax(dim=1)
-        matched = top > 0
-        no_prompt = ~matched & (n > 0)
-        if c > 0:
-            unknown = (ctx == -2).any(dim=1)
-            matched, no_prompt = matched & ~unknown, no_prompt & ~unknown
-            self._unknown += unknown.sum()
-        idx = torch.where(matched, best, self.P)  # [B]: the prompt row, P for none
-        st = self.state[idx]  # [B, T, 3]
-        chain, kept, rec = st[..., 0], st[..., 1] > 0, st[..., 2]
-        past = pos >= self.plen[idx][:, None]  # past the prompt
-        rows = in_ctx & matched[:, None]  # the context of a matched row
-        live = rows
-        if self.stops.numel():  # past a row's first stop nothing is checked
-            stop = (ctx[:, :, None] == self.stops).any(dim=2) & past
-            live = live & (stop.long().cumsum(dim=1) - stop.long() == 0)
-        eq = ctx == chain
-        # presented before with the same context up to it: a token is kept only when
-        # nothing before it changed
-        same = eq.cumprod(dim=1).bool()
-        # attended without the logits it was chosen from being computed here: a valid
-        # cached slot, or the row's first valid new token (its predecessor is cached). A
-        # later new token is under verification in this forward, even when an earlier
-        # forward presented it at the same place (a draft the loop did not verify then,
-        # proposed again): it is kept only once a forward attends it as decided
-        decided = pos <= cached[:, None]
-        changed = live & kept & ~eq
-        newly = live & ~kept & same & past & decided
-        if self.spec.greedy:
-            wrong = newly & (rec >= 0) & (ctx != rec)
-        else:
-            wrong = torch.zeros_like(newly)
-        # tokens presented before and now replaced or dropped: records past them are stale
-        gone = (chain >= 0) & ~kept & ((live & ~same) | ~in_ctx)
-        first_gone = torch.where(gone, pos, t).amin(dim=1, keepdim=True)  # [B, 1]
-        new = torch.stack([torch.where(rows, ctx, torch.where(kept | ~past, chain, -1)),
-                           (kept | (live & same & (decided | ~past))).long(),
-                           torch.where(pos > first_gone, -1, rec)], dim=2)
-        self.state.index_copy_(0, idx, new)
-        self._last = (idx, matched, valid, rank, s)
-        masks = [no_prompt, changed.any(dim=1), wrong.any(dim=1)]
-        report = {"ctx": ctx, "n": n, "chain": chain, "kept": kept, "rec": rec,
-                  "idx": idx, "slots": [None, changed, wrong]}
-        return masks, report
+            got = self._cache_capture(cache, c, b) if cache is not None else None
+            if got is None:
+                self.skip(ids if cache is not None else None)
+                return False
+            cap, data = got
+        elif cache is not None:
+            self.watch(cache)
+        self._count += 1
+        self._fwd = (self._count, b, c + q)
+        if self.copy:  # the loop may reuse its buffers before the flags are read
+            ids = ids.clone()
+        self._stash = ids if cache is not None else None
+        v = valid if valid is None or (valid.dtype == torch.bool and not self.copy) \
+            else valid.clone() if valid.dtype == torch.bool else valid.bool()
+        self._sink(("forward", self._count, b, q, c, cap[0], cap[1],
+                    id(cache) if cache is not None else None, v is not None),
+                   [ids.reshape(-1)] + ([] if v is None else [v.reshape(-1)]) + data)
+        self._last = (b, q)
+        return True
 
     def after(self, logits) -> None:
-        """Record the argmax of every computed position of the forward ``before`` read."""
-        last, self._last, self._stash = self._last, None, None
-        if last is None or not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        """Capture the argmax of every computed position of the forward ``before`` read."""
+        last, self._last, self._stash, self._fwd = self._last, None, None, None
+        if last is None or not isinstance(logits, torch.Tensor) or logits.dim() != 3 \
+                or logits.shape[0] != last[0] or logits.shape[1] > last[1]:
             return
-        idx, matched, valid, rank, s = last
-        ql = logits.shape[1]
-        if ql > s or logits.shape[0] != idx.shape[0]:
-            return
-        am = logits.argmax(dim=-1)  # [B, ql]
-        ok = matched[:, None] if valid is None else valid[:, s - ql:] & matched[:, None]
-        # position 0 is never a record that is read (records start past the prompt): the dump
-        col = torch.where(ok, rank[:, s - ql:] + 1, 0)
-        rec = self.state[idx, :, 2]  # [B, T]
-        cur = rec.gather(1, col)
-        rec.scatter_(1, col, torch.where(cur < 0, am, cur))
-        self.state[:, :, 2].index_copy_(0, idx, rec)
+        self._sink(("record", logits.shape[1]), [logits.argmax(dim=-1).reshape(-1)])
 
-    # -- host reads (reports, outputs) -----------------------------------------------------
+    # -- the host side: C1/C2, forward by forward -----------------------------------------
+    def process(self, kind: tuple, rows: list) -> list:
+        """Apply one capture (its tensors read as host lists ``rows``); returns the
+        violations found, as (rule index in DEVICE_RULES, details) pairs."""
+        what = kind[0]
+        if what == "forward":
+            return self._forward(kind, rows)
+        host = self._host
+        if what == "learn":
+            _, cache_key, number, info = kind
+            if info and host is not None and host["ids"] is not None:
+                if rows:  # the first learn capture of a run carries the run's fingerprints
+                    self._group = (info["group"], rows[0])
+                fps = self._columns(info["group"], info["at"], info["q"], info["width"],
+                                    info["b"])
+                if fps is not None:
+                    self.table.update(zip(fps, host["flat"]))
+            if number is not None and host is not None and host["n"] == number:
+                self._slots[cache_key] = (number, host["tok"])
+            else:
+                self._slots.pop(cache_key, None)
+        elif what == "record":
+            if host is not None and host["rows"] is not None:
+                self._record(host, kind[1], rows[0])
+        elif what == "skip":
+            for r in self.recs:
+                r.clear()
+            ids = None if kind[1] is None else _split(rows[0], kind[1], kind[2])
+            self._host = {"n": None, "ids": ids, "flat": rows[0] if ids else None,
+                          "tok": None, "rows": None}
+        return []
+
+    def _forward(self, kind, rows) -> list:
+        _, number, b, q, c, how, seen_at, cache_key, has_valid = kind
+        s = c + q
+        flat_ids = rows[0]
+        ids = _split(flat_ids, b, q)
+        valid = _split(rows[1], b, s) if has_valid else None
+        looked = how in ("fp", "group")
+        if c == 0:
+            tok = ids
+        else:
+            if how == "seen":
+                at, old = self._slots.get(cache_key, (None, None))
+                if at != seen_at or old is None or len(old) != b:
+                    old = [[-2] * c for _ in range(b)]
+                    looked = True
+            else:
+                fps = rows[-1] if seen_at is None else self._columns(
+                    seen_at[0], seen_at[1], seen_at[2], seen_at[3], b)
+                if fps is None or len(fps) != b * c:
+                    fps = [None] * (b * c)
+                old = _split(list(map(self.table.get, fps, repeat(-2))), b, c)
+            tok = [o + i for o, i in zip(old, ids)]
+        host = {"n": number, "ids": ids, "flat": flat_ids, "tok": tok, "rows": []}
+        self._host = host
+        self._host_prev, self._host_rows = self._host_rows, host["rows"]
+        found, claimed = [], set()
+        prev = [x[0] if x else None for x in self._host_prev]
+        for r in range(b):
+            v = valid[r] if valid is not None else None
+            ctx = tok[r] if v is None else list(compress(tok[r], v))
+            n = len(ctx)
+            if n == 0:
+                host["rows"].append(None)
+                continue
+            if looked and -2 in ctx:
+                self.unknown += 1
+                host["rows"].append(None)
+                continue
+            # the prompt this batch row had in the last forward, while the context still
+            # agrees with its whole chain (no other chain agrees longer but one a swapped
+            # row of an identical prompt took); else a match against every prompt
+            p = prev[r] if r < len(prev) else None
+            if p is not None:
+                chain = self.chains[p]
+                m = min(n, len(chain))
+                if p not in claimed and m >= min(self.plen_host[p], n) \
+                        and chain[:m] == ctx[:m]:
+                    agree = m
+                else:
+                    p = None
+            if p is None:
+                p, agree = self._match(ctx, claimed)
+            if p is None:
+                found.append((0, {"row": r, "ctx": ctx}))
+                host["rows"].append(None)
+                continue
+            claimed.add(p)
+            chain, k0 = self.chains[p], self.kept[p]
+            rec = self.recs[p]
+            live = n
+            if self.stop_set:  # past a row's first stop (after its prompt) nothing is checked
+                for j in range(self.plen_host[p], n):
+                    if ctx[j] in self.stop_set:
+                        live = j + 1
+                        break
+            # kept after this forward: what it attends without the logits it was chosen
+            # from being computed here (a valid cached slot, or the row's first valid new
+            # token: its predecessor is cached), presented before with the same context up
+            # to it, and live. A later new token is under verification, even when an
+            # earlier forward presented it at the same place (a draft the loop did not
+            # verify then, proposed again): it is kept only once a forward attends it as
+            # decided
+            cached = (n - sum(v[c:]) if v is not None else c) if c else 0
+            k1 = min(agree, live, cached + 1)
+            if agree < min(k0, live):  # C1: a kept token replaced
+                found.append((1, {"row": r, "ctx": ctx, "prompt": p, "chain": list(chain),
+                                  "kept": k0, "rec": list(rec),
+                                  "at": [j for j in range(min(k0, live))
+                                         if ctx[j] != chain[j]]}))
+            elif self.spec.greedy and k1 > k0:  # C2: newly kept tokens against the record
+                at = [j for j in range(k0, min(k1, len(rec))) if rec[j] >= 0 and ctx[j] != rec[j]]
+                if at:
+                    found.append((2, {"row": r, "ctx": ctx, "prompt": p, "chain": list(chain),
+                                      "kept": k0, "rec": list(rec), "at": at}))
+            # tokens presented before and now replaced or dropped (past the kept ones, from
+            # the first disagreement on while live, from the context's end on): records past
+            # the first of them are stale
+            first = max(k0, agree)
+            first = first if first < live else max(first, n)
+            del rec[first + 1:]
+            self.chains[p] = ctx + chain[n:k0] if k0 > n else ctx
+            self.kept[p] = max(k0, k1)
+            host["rows"].append((p, cached, None if v is None else v[c:]))
+        return found
+
+    def _columns(self, group: int, at: int, q: int, width: int, b: int):
+        """[b * q] fingerprints, row by row, of columns at .. at + q - 1 of run ``group``
+        (None when that run's fingerprints are not the ones held)."""
+        if self._group is None or self._group[0] != group:
+            return None
+        flat = self._group[1]
+        if q == width:
+            return flat
+        out: list = []
+        for r in range(b):
+            out += flat[r * width + at: r * width + at + q]
+        return out
+
+    def _match(self, ctx, claimed):
+        """(prompt, agreement of ``ctx`` with its chain) of the registered prompt ``ctx``
+        starts with (or, a prefill in pieces, is a prefix of), (None, 0) when none: the
+        longest agreement wins, then a prompt no other row of the forward took, then the
+        first."""
+        head = tuple(ctx[: self.lmax])  # the candidates depend on these tokens only
+        cands = self._cands.get(head)
+        if cands is None:
+            if len(self._cands) >= 4096:
+                self._cands.clear()
+            cands = self._cands[head] = _walk(self._tree, ctx)
+        if not cands:
+            return None, 0
+        best, key = None, None
+        n = len(ctx)
+        for p in cands:
+            chain = self.chains[p]
+            m = min(n, len(chain))
+            a = m if chain[:m] == ctx[:m] else _agreement(ctx, chain)
+            k = (a, p not in claimed, -p)
+            if key is None or k > key:
+                best, key = p, k
+        return best, key[0]
+
+    def _record(self, host, ql: int, am: list) -> None:
+        """Record the argmax of the last ``ql`` slots of each row at the context position
+        they predict (the first record of a position stands)."""
+        q = len(host["ids"][0]) if host["ids"] else 0
+        for r, info in enumerate(host["rows"]):
+            if info is None:
+                continue
+            p, cached, v = info
+            rec = self.recs[p]
+            preds = am[r * ql: (r + 1) * ql]
+            pos = cached  # valid slots so far: the position the next valid slot predicts
+            for j in range(q):
+                if v is not None and not v[j]:
+                    continue
+                pos += 1
+                if j >= q - ql:
+                    if len(rec) <= pos:
+                        rec.extend([-1] * (pos + 1 - len(rec)))
+                    if rec[pos] < 0:
+                        rec[pos] = preds[j - (q - ql)]
+
+    # -- host state (outputs) ---------------------------------------------------------------
     def host_state(self):
-        """(chain, kept, rec) of every prompt as host lists (one read)."""
-        host = self.state[: self.P].tolist()  # [P][T][3]
-        return tuple([[x[i] for x in row] for row in host] for i in range(3))
+        """(chain, kept, rec) of every prompt as host lists, all of one length."""
+        t = max(max(len(c) for c in self.chains), max(len(r) for r in self.recs), 1)
+        chains = [c + [-1] * (t - len(c)) for c in self.chains]
+        kept = [[1 if j < k else 0 for j in range(t)] for k in self.kept]
+        recs = [r + [-1] * (t - len(r)) for r in self.recs]
+        return chains, kept, recs
+
+
+def _split(flat: list, b: int, w: int) -> list:
+    return [flat[i * w: (i + 1) * w] for i in range(b)]
+
+
+def _agreement(a: list, b: list) -> int:
+    """Length of the common prefix of two lists (slice compares: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # the longest m with a[:m] == b[:m]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _prompt_tree(prompts) -> dict:
+    """A radix tree of the prompts: node = {"end": [prompts ending here], "below": [prompts
+    strictly below], "kids": {first token: (edge tokens, node)}}."""
+    def node():
+        return {"end": [], "below": [], "kids": {}}
+    root = node()
+    for i, p in enumerate(prompts):
+        cur, j = root, 0
+        while True:
+            if j == len(p):
+                cur["end"].append(i)
+                break
+            cur["below"].append(i)
+            kid = cur["kids"].get(p[j])
+            if kid is None:
+                leaf = node()
+                cur["kids"][p[j]] = (list(p[j:]), leaf)
+                leaf["end"].append(i)
+                break
+            edge, nxt = kid
+            m = _agreement(edge, p[j:])
+            if m < len(edge):  # split the edge at m
+                mid = node()
+                mid["below"] = list(nxt["below"]) + list(nxt["end"])
+                mid["kids"][edge[m]] = (edge[m:], nxt)
+                cur["kids"][p[j]] = (edge[:m], mid)
+                nxt = mid
+            cur, j = nxt, j + m
+    return root
+
+
+def _walk(tree: dict, ctx: list) -> list:
+    """The prompts ``ctx`` starts with, or of which it is a prefix."""
+    out, cur, j, n = [], tree, 0, len(ctx)
+    while True:
+        out.extend(cur["end"])
+        if j == n:
+            return out + cur["below"]
+        kid = cur["kids"].get(ctx[j])
+        if kid is None:
+            return out
+        edge, nxt = kid
+        m = len(edge)
+        if ctx[j: j + m] != edge:
+            return out + (nxt["below"] + nxt["end"] if ctx[j:] == edge[: n - j] else [])
+        cur, j = nxt, j + m
+
+
+def _layer_keys(cache, layer: int, tensor_only: bool = False):
+    """The keys of one layer of ``cache``; with ``tensor_only``, None when the layer
+    computes them on each access (a property: a new view each time, never the tensor a
+    dynamic cache holds)."""
+    layers = cache_layers(cache)
+    if layer >= len(layers):
+        return None
+    if tensor_only and isinstance(getattr(type(layers[layer]), "keys", None), property):
+        return None
+    return getattr(layers[layer], "keys", None)
 
 
 def first_stop(tokens, stops) -> int | None:

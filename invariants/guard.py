@@ -25,8 +25,10 @@ tokens:
   positions (GPT-2) and with ``positions="exact"`` any padding before a new token is.
 
 With ``prompts=`` (and ``max_new_tokens``, ``stop_token_ids``, ``greedy``) the guard also
-checks content, ``invariants.content``: C1 and C2 before each forward (device flags read
-with the coherence flags), an argmax record after it (a forward hook), C3 on the outputs
+checks content, ``invariants.content``: each forward's ids, mask and cache fingerprints
+are captured before it and the argmax of its logits after it (a forward hook), a few
+kernels and no host read; the captures are read with the coherence flags (the mode's one
+read) and C1/C2 run there, on the host, forward by forward; C3 on the outputs
 (``guard.check_outputs``).
 
 Hugging Face ``generate`` passes ``position_ids = cumsum(mask) - 1`` (padding slots 0,
@@ -103,7 +105,8 @@ class Guard(Checker):
         self.content: Content | None = None
         if prompts is not None:
             spec = ContentSpec(prompts, max_new_tokens, tuple(stop_token_ids or ()), greedy)
-            self.content = Content(spec, model_device(model))
+            self.content = Content(spec, model_device(model), self._capture,
+                                   copy=self.mode == "fast")
         elif max_new_tokens is not None or stop_token_ids:
             raise ValueError("max_new_tokens and stop_token_ids describe the prompts: pass "
                              "prompts= too (content rules need them)")
@@ -140,10 +143,11 @@ class Guard(Checker):
                 out[name] = value
         return out
 
-    def facts(self, args, kwargs) -> ForwardFacts | None:
+    def facts(self, args, kwargs, a: dict | None = None) -> ForwardFacts | None:
         """What one forward's arguments say (host facts and device tensors), or None when
-        there are no token inputs to check."""
-        a = self._arguments(args, kwargs)
+        there are no token inputs to check (``a``: the arguments by name, when bound
+        already)."""
+        a = self._arguments(args, kwargs) if a is None else a
         ids, emb = a.get("input_ids"), a.get("inputs_embeds")
         src = ids if ids is not None else emb
         if src is None or src.dim() < 2:
@@ -170,7 +174,8 @@ class Guard(Checker):
                             implicit, src.device, self.relative)
 
     def _pre(self, module, args, kwargs):
-        ff = self.facts(args, kwargs)
+        a = self._arguments(args, kwargs)
+        ff = self.facts(args, kwargs, a)
         if ff is None:
             if self.content is not None:
                 self.content.skip()
@@ -192,15 +197,14 @@ class Guard(Checker):
             self._pending.append(Entry(masks, context={"facts": ff, "index": index,
                                                        "rules": named}))
         if self.content is not None:
-            self._content(ff, index, args, kwargs)
+            self._content(ff, index, a)
         if self._pending and self.mode != "fast":
             self.read()  # the one host read of the forward
         return None
 
-    def _content(self, ff: ForwardFacts, index: int, args, kwargs) -> None:
+    def _content(self, ff: ForwardFacts, index: int, a: dict) -> None:
         """C1/C2 over this forward's rows (device masks), when its tokens can be read."""
         content = self.content
-        a = self._arguments(args, kwargs)
         ids = a.get("input_ids")
         cache = _cache_argument(a)
         if ids is None or ids.dim() != 2 or is_legacy_cache(cache) \
@@ -212,10 +216,20 @@ class Guard(Checker):
                 content.watch(cache)
             content.skip(ids if cache is not None else None)
             return
-        out = content.before(ids, cache, ff.c, ff.mask2d)
-        if out is not None:
-            masks, report = out
-            self._pending.append(Entry(masks, context={"content": report, "index": index}))
+        content.before(ids, cache, ff.c, ff.mask2d)
+
+    def _capture(self, kind: tuple, data: list) -> Entry:
+        """A capture of the content rules: its tensors wait with the coherence flags for
+        the mode's host read, then ``report`` hands them to ``Content.process``."""
+        entry = Entry(data, host_failure=True,
+                      context={"content": kind, "index": self.forwards - 1})
+        self._pending.append(entry)
+        return entry
+
+    def read(self) -> None:
+        if self.content is not None:
+            self.content.settle()  # the learned keys' fingerprints join the read
+        super().read()
 
     def _post(self, module, args, output):
         logits = getattr(output, "logits", None)
@@ -228,7 +242,11 @@ class Guard(Checker):
     def report(self, entry: Entry, rows: list) -> None:
         ctx = entry.context
         if "content" in ctx:
-            self._emit(self._content_violation(ctx["content"], ctx["index"], rows))
+            found = self.content.process(ctx["content"], rows)
+            if found:  # the first rule broken, with every row that breaks it
+                k = min(k for k, _ in found)
+                self._emit(self._content_violation(k, [f for i, f in found if i == k],
+                                                   ctx["index"]))
             return
         failing = [(r, m) for r, m in zip(ctx["rules"], rows) if any(m)]
         inv = failing[0][0].invariant
@@ -268,41 +286,34 @@ class Guard(Checker):
 
 
     # -- content reports ------------------------------------------------------------------
-    def _content_violation(self, rep: dict, index: int, rows: list) -> InvariantViolation:
-        """The first failing content rule of one forward, with the offending rows' context
-        tokens, the recorded argmax and the position where they part."""
-        k = next(i for i, m in enumerate(rows) if any(m))
+    def _content_violation(self, k: int, found: list, index: int) -> InvariantViolation:
+        """Content rule ``DEVICE_RULES[k]`` broken by rows of one forward, with each row's
+        context tokens, the kept ones, the recorded argmax and where they part."""
         inv, rid, sentence = DEVICE_RULES[k]
-        bad = [b for b, x in enumerate(rows[k]) if x]
-        ctx, n, chain, kept, rec, idx = (rep[x].tolist() for x in
-                                         ("ctx", "n", "chain", "kept", "rec", "idx"))
-        slots_mask = rep["slots"][k]
-        slot_rows = slots_mask.tolist() if slots_mask is not None else None
         prompts = self.content.spec.prompts
         slots, grid, which = [], [], []
-        for b in bad:
-            row = ctx[b][: n[b]]
-            if slot_rows is not None:
-                at = [j for j, x in enumerate(slot_rows[b]) if x]
-                p = idx[b]
-            else:  # no prompt: where the context parts from the closest prompt
-                p, offset, part = closest_prompt(row, prompts)
+        for f in found:
+            ctx = f["ctx"]
+            if k == 0:  # no prompt: where the context parts from the closest prompt
+                p, offset, part = closest_prompt(ctx, prompts)
                 at = [part]
+                width = max(len(ctx), offset + len(prompts[p]))
+                lines = {"context": ctx, "prompt": [None] * offset + prompts[p]}
+            else:  # the slots that break the rule (kept ones changed, or newly kept)
+                p, at, chain, rec, kept = (f[x] for x in ("prompt", "at", "chain", "rec", "kept"))
+                width = max(len(ctx), len(prompts[p]))
+                lines = {"context": ctx,
+                         "kept": [chain[j] if j < kept and j < len(chain) else None
+                                  for j in range(width)],
+                         "argmax": [r if r >= 0 else None for r in rec[:width]]}
             which.append(p)
             slots.append(at)
             if len(grid) < MAX_GRID_ROWS:
-                width = max(n[b], len(prompts[p]))
-                lines = {"context": row}
-                if slot_rows is None:
-                    lines["prompt"] = [None] * offset + prompts[p]
-                    width = max(width, offset + len(prompts[p]))
-                else:
-                    lines["kept"] = [chain[b][j] if kept[b][j] else None for j in range(width)]
-                    lines["argmax"] = [r if r >= 0 else None for r in rec[b][:width]]
-                grid.append(grid_row(f"row {b}", lines, at, grid_window(width, at)))
+                grid.append(grid_row(f"row {f['row']}", lines, at, grid_window(width, at)))
         trace = make_trace(
-            invariant=inv, step=index, phase="forward", rows=bad, slots=slots,
-            rules=[sentence], grid=grid, width=None, run=self.run, source="guard",
+            invariant=inv, step=index, phase="forward", rows=[f["row"] for f in found],
+            slots=slots, rules=[sentence], grid=grid, width=None, run=self.run,
+            source="guard",
             state={"rule": rid, "prompts": which, "model": type(self.model).__name__,
                    "greedy": self.content.spec.greedy})
         return InvariantViolation(trace)

@@ -197,3 +197,23 @@ def test_benchmark_refuses_stats_that_do_not_add_up_to_the_outputs(throughput, t
     err = capsys.readouterr().err
     assert "committed = total output length" in err and "repeat 0" in err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_guard_content_overhead_reports_every_workload_and_mode(tmp_path, capsys):
+    """Both workloads, both modes, silent and exact (the benchmark asserts it per run), with
+    the ratio the issue bounds and the kernels per forward counted."""
+    spec = importlib.util.spec_from_file_location(
+        "guard_content_overhead", ROOT / "benchmarks" / "guard_content_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gc.json"
+    assert mod.main(["--repeats", "1", "--budget", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["workload"], r["mode"]) for r in rows} == {
+        (w, m) for w in ("engine", "generate") for m in ("fast", "strict")}
+    for r in rows:
+        assert r["forwards"] > 0 and r["guard_kernels_per_forward"] > 0
+        assert r["content_kernels_per_forward"] > r["guard_kernels_per_forward"]
+        assert r["rules_over_guard_cpu"] == pytest.approx(
+            (r["content_cpu_us"] - r["guard_cpu_us"]) / r["guard_cpu_us"])
+    assert "rules/guard" in capsys.readouterr().out
