@@ -74,6 +74,7 @@ class ModelDrafter:
             )
 
     def prefill(self, batch: RaggedBatch) -> None:
+        self.confidence = None  # no draft of these rows yet: their evidence is "unknown"
         capacity = batch.target_cache.slab.capacity
         batch.draft_cache = cache_mod.new_cache(self.model, capacity)
         w = batch.width
