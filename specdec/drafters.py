@@ -74,6 +74,7 @@ class ModelDrafter:
             )
 
     def prefill(self, batch: RaggedBatch) -> None:
+        self.confidence = None  # no draft of these rows yet: their evidence is "unknown"
         capacity = batch.target_cache.slab.capacity
         batch.draft_cache = cache_mod.new_cache(self.model, capacity)
         w = batch.width
@@ -169,8 +170,12 @@ class NGramDrafter:
     LENGTH_EDGES = (1, 2, 3, 5, 8)
     #: agreement classes: the continuation seen once, twice, three times or more
     AGREEMENT_CLASSES = 3
-    #: prior acceptance per match-length class (the same for every agreement class)
-    LENGTH_PRIOR = (0.05, 0.3, 0.45, 0.6, 0.7, 0.8)
+    #: prior acceptance per match-length class (the same for every agreement class and
+    #: slot): the first draft's acceptance measured on SmolLM2-135M-Instruct over the 48
+    #: built-in prompts, every row drafting 4 (0.0, 0.15, 0.35, 0.67, 0.58, 0.96), rounded
+    #: and made monotone; later slots, given the earlier ones accepted, measured higher
+    #: (0.6-0.9), which the policy learns
+    LENGTH_PRIOR = (0.02, 0.15, 0.35, 0.6, 0.65, 0.9)
 
     def __init__(self, max_n: int = 8, min_n: int = 1):
         if not 1 <= min_n <= max_n:

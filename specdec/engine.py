@@ -101,7 +101,10 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     (the default: a row drafts only where its expected committed tokens per unit of
     cost beat a plain decode step; a step where no row drafts is plain decoding),
     ``"fixed"`` (every row drafts ``k``) or a policy object (``specdec.policy.DraftPolicy``;
-    an ``AdaptivePolicy`` passed again keeps what it learned).
+    an ``AdaptivePolicy`` passed again keeps what it learned). ``"adaptive"`` starts from
+    what earlier calls on the same model learned (``specdec.policy.calibration(target)``:
+    step costs and acceptance), and plans the first step from the drafter's evidence on
+    the prompts.
 
     ``strategy`` is a name of ``specdec.strategies.names()``. Strategy options are
     keywords (None: the default); each strategy declares its own: ``window`` (exspec:
@@ -125,7 +128,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     check_option_names(plugin, given)
     resolved = plugin.check_options(given, batch_size=batch_size)
     plugin.check_models(target, drafter)
-    chosen = policy_mod.resolve(policy)
+    chosen = policy_mod.resolve(policy, target)
     dev = next(target.parameters()).device
     chosen.begin(k, len(ids), dev)
     stops = model_stop_ids(target) if a.stops is None else a.stops

@@ -280,7 +280,7 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
         cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
         record = ForwardRecord(ids, pos, mask, 0)
     ctx.drafter.prefill(batch)
-    lengths = ctx.policy.admit(row_ids)  # the rows' k_b for their first step (host)
+    lengths = ctx.policy.admit(row_ids, batch, ctx.drafter)  # the rows' first k_b (host)
     state.admitted_lengths = list(lengths)
     state.draft_k = max(lengths, default=0)
     timed(state, "prefill", t0)

@@ -14,8 +14,10 @@ scheduler picks).
 
 - ``begin(k, requests, device)``: a ``generate`` call starts (``k``: the most drafts per
   row; ``requests``: how many prompts, indexed by ``row_ids``);
-- ``admit(row_ids) -> list[int]``: rows enter (prefill); their ``k_b`` for their first
-  step, as host integers (the device table holds the same values);
+- ``admit(row_ids, batch, drafter) -> list[int]``: rows enter (prefill; ``batch``: the
+  admitted rows after their prefill, the pending token last); their ``k_b`` for their
+  first step, as host integers (the device table holds the same values; a policy that
+  plans them on the device reads them once per prefill, never in a step);
 - ``lengths(batch, k_step) -> [B] long``: this step's ``k_b`` of the batch's rows (device,
   each ``<= k_step``, the step's drafts);
 - ``plan(batch, spec, drafter, k_step) -> [B] long``: after the commit, every row's
@@ -41,14 +43,25 @@ before per-row lengths), ``AdaptivePolicy`` (the default, ``policy="adaptive"``)
   ``w`` to a plain step over as many rows.
 
 From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
-(``1 + sum_i prod_{l<i} p_l``, capped by its budget). A row drafts only where its own
-best ``E_b(j) / r(j + 1)`` beats a plain step (``> 1``); the step's width ``w`` maximises
-the batch's ``sum_b E_b / r(w)`` (rows that draft use ``w - 1`` drafts, the others none),
-and must beat plain decoding by ``margin``; otherwise every row drafts 0.
+(``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
+batch's expected tokens per unit of cost, ``sum_b E_b(w - 1) / r(w)``, and must beat a
+plain step (``B / r(1)``) by ``margin``; otherwise every row drafts 0 and the step is plain
+decoding (width 1). A step is as wide for every row (the verify forward is rectangular),
+so when a step drafts, every active row uses its ``w - 1`` drafts: a row whose own
+evidence is weak adds its expected tokens at no cost beyond the width the others pay
+for, and a row drafts only in a step whose expected committed tokens per unit of cost
+beat a plain step. Rows near their budget use fewer (``draft_limit``).
+
+What a policy learns lives in a ``Calibration`` (step costs and acceptance); with
+``policy="adaptive"`` it is the target model's own (``calibration(model)``), kept across
+``generate`` calls, and the first step of admitted rows is planned from the drafter's
+evidence on their prompts (``admit``), so a call starts where the last one left off
+rather than at ``k_b = 0`` with nothing measured.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol, Sequence
 
 import torch
@@ -62,13 +75,15 @@ PRIOR_WEIGHT = 2.0
 PRIOR_SLOPE = 0.15
 #: weight of the newest timing in StepCosts' moving averages
 COST_DECAY = 0.3
+#: observations per (feature, slot) that acceptance carried into a generate call weighs
+MEMORY = 32.0
 
 
 class DraftPolicy(Protocol):
     """The interface (see the module docstring)."""
 
     def begin(self, k: int, requests: int, device) -> None: ...
-    def admit(self, row_ids: Sequence[int]) -> list[int]: ...
+    def admit(self, row_ids: Sequence[int], batch=None, drafter=None) -> list[int]: ...
     def lengths(self, batch, k_step: int) -> torch.Tensor: ...
     def plan(self, batch, spec, drafter, k_step: int) -> torch.Tensor: ...
     def observe(self, width: int, rows: int, seconds: float) -> None: ...
@@ -82,7 +97,7 @@ class FixedPolicy:
     def begin(self, k: int, requests: int, device) -> None:
         self.k = k
 
-    def admit(self, row_ids) -> list[int]:
+    def admit(self, row_ids, batch=None, drafter=None) -> list[int]:
         return [self.k] * len(row_ids)
 
     def lengths(self, batch, k_step: int) -> torch.Tensor:
@@ -145,7 +160,7 @@ class ForcedPolicy(_PerRequest):
         self.table = table.to(device)
         self.taken = torch.zeros(requests, dtype=torch.long, device=device)  # steps per request
 
-    def admit(self, row_ids) -> list[int]:
+    def admit(self, row_ids, batch=None, drafter=None) -> list[int]:
         values = [min(self.pattern[r][0], self.k) if self.pattern[r] else self.k for r in row_ids]
         return self._admit_as(row_ids, values)
 
@@ -168,12 +183,15 @@ class StepCosts:
 
     ``observe(width, rows, seconds)`` keeps a moving average (``COST_DECAY``) of the
     seconds per step for each (rows, width). ``ratios(rows, widths)`` gives ``r(w)``, a
-    step of width ``w`` over the cost of a plain step (``r(1) = 1``), from the nearest
-    batch size that has a plain step measured: measured widths as measured, others
-    interpolated linearly in ``w`` between measured ones, and past the widest measured
-    extrapolated with the slope of the last two measured widths but at most ``slope``
-    (``PRIOR_SLOPE``: optimism, so that a wider step is tried and measured once the
-    evidence favours it); with no measurement beyond width 1, ``1 + slope (w - 1)``.
+    step of width ``w`` over the cost of a plain step (``r(1) = 1``) over as many rows:
+    measured widths as measured, others interpolated linearly in ``w`` between measured
+    ones, and past the widest measured extrapolated with the slope of the last two
+    measured widths but at most ``slope`` (``PRIOR_SLOPE``: optimism, so that a wider step
+    is tried and measured once the evidence favours it); with no measurement beyond width
+    1, ``1 + slope (w - 1)``. Before a plain step over ``rows`` rows was measured it
+    returns None: the policy then plans a plain step, which costs what plain decoding
+    costs and measures the base every ratio needs (borrowing another batch size's base
+    would misprice width: a step over 2 rows is far cheaper per column than over 8).
     """
 
     def __init__(self, slope: float = PRIOR_SLOPE, decay: float = COST_DECAY):
@@ -187,13 +205,13 @@ class StepCosts:
         old = table.get(width)
         table[width] = seconds if old is None else (1 - self.decay) * old + self.decay * seconds
 
-    def ratios(self, rows: int, widths: int) -> list[float]:
-        """``[r(1), .., r(widths)]`` for a step over ``rows`` rows."""
-        based = [b for b, t in self.seconds.items() if 1 in t]
-        points = {1: 1.0}
-        if based:
-            t = self.seconds[min(based, key=lambda b: (abs(b - rows), -b))]
-            points.update({w: s / t[1] for w, s in t.items()})
+    def ratios(self, rows: int, widths: int) -> list[float] | None:
+        """``[r(1), .., r(widths)]`` for a step over ``rows`` rows (None: no plain step
+        over ``rows`` rows measured yet)."""
+        t = self.seconds.get(rows, {})
+        if 1 not in t:
+            return None
+        points = {w: s / t[1] for w, s in t.items()}
         known = sorted(points)
         out = []
         for w in range(1, widths + 1):
@@ -213,42 +231,100 @@ class StepCosts:
         return out
 
 
+class Calibration:
+    """What adaptive policies learn about one model on this machine, kept across
+    ``generate`` calls: the cost of verify width (``costs``, a ``StepCosts``) and the
+    acceptance statistics per drafter kind (``acceptance``: (drafter class, its
+    ``evidence_prior``, k) -> [tries, hits], [F * k] float each). ``calibration(model)``
+    gives the model's own; ``policy="adaptive"`` starts from it, so a call begins with the
+    widths and acceptance the earlier calls measured instead of the priors."""
+
+    def __init__(self, costs: StepCosts | None = None):
+        self.costs = costs if costs is not None else StepCosts()
+        self.acceptance: dict = {}
+
+
+_CALIBRATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def calibration(model) -> Calibration:
+    """The ``Calibration`` of ``model`` (one per model object, dropped with it)."""
+    found = _CALIBRATIONS.get(model)
+    if found is None:
+        found = _CALIBRATIONS[model] = Calibration()
+    return found
+
+
 class AdaptivePolicy(_PerRequest):
     """Per-row draft lengths for goodput (see the module docstring).
 
     ``margin``: how much a drafting step's expected goodput must beat a plain step's
-    (0.05: by 5%); ``costs``: a ``StepCosts`` (kept across ``generate`` calls when the
-    same policy object is passed again, as is the learned acceptance).
+    (0.05: by 5%); ``calibration``: where the learned step costs and acceptance live
+    (default: a fresh ``Calibration``, kept by this object across the ``generate`` calls
+    it is passed to; ``policy="adaptive"`` passes the model's own, ``calibration(model)``);
+    ``costs``: a ``StepCosts`` for a fresh calibration. Acceptance carried into a call
+    weighs at most ``MEMORY`` observations per (feature, slot), so that a new call's
+    prompts take over within a few steps.
     """
 
     name = "adaptive"
 
-    def __init__(self, margin: float = 0.05, costs: StepCosts | None = None):
+    def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
+                 calibration: Calibration | None = None):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
-        self.costs = costs if costs is not None else StepCosts()
+        self.calibration = calibration if calibration is not None else Calibration(costs)
         self._stats_key = None
+
+    @property
+    def costs(self) -> StepCosts:
+        """The calibration's step costs."""
+        return self.calibration.costs
 
     def begin(self, k: int, requests: int, device) -> None:
         super().begin(k, requests, device)
         # [N, k] long: evidence bucket of every slot of the request's next step
         self.bucket = torch.zeros(requests, max(k, 1), dtype=torch.long, device=device)
+        self._stats_key = None  # re-read (and age) the calibration's acceptance
 
     def _prepare(self, drafter, k: int, device) -> None:
-        """Acceptance statistics per (feature, slot), kept while the drafter's features
-        and ``k`` stay the same."""
+        """Acceptance statistics per (feature, slot) of this drafter kind and ``k``: the
+        calibration's (aged to at most ``MEMORY`` observations each), else the drafter's
+        prior."""
         prior = list(getattr(drafter, "evidence_prior", None) or [0.5])
-        key = (tuple(prior), k, str(device))
-        if key == self._stats_key:
+        key = (type(drafter).__name__, tuple(prior), k)
+        if key == self._stats_key and self.tries.device == torch.device(device):
             return
         self._stats_key = key
-        p0 = torch.tensor(prior, dtype=torch.float32).repeat_interleave(max(k, 1)).to(device)
-        self.tries = torch.full_like(p0, PRIOR_WEIGHT)  # [F * k]
-        self.hits = p0 * PRIOR_WEIGHT                   # [F * k]
+        kept = self.calibration.acceptance.get(key)
+        if kept is None:
+            p0 = torch.tensor(prior, dtype=torch.float32).repeat_interleave(max(k, 1))
+            kept = [torch.full_like(p0, PRIOR_WEIGHT), p0 * PRIOR_WEIGHT]  # [F * k] each
+        tries, hits = (x.to(device) for x in kept)
+        age = (MEMORY / tries).clamp(max=1.0)
+        self.tries, self.hits = tries * age, hits * age  # [F * k] each
+        self.calibration.acceptance[key] = [self.tries, self.hits]  # learn() adds in place
 
-    def admit(self, row_ids) -> list[int]:
-        return self._admit_as(row_ids, [0] * len(row_ids))
+    def admit(self, row_ids, batch=None, drafter=None) -> list[int]:
+        """The admitted rows' first ``k_b``, planned from the drafter's evidence on their
+        prompts (one host read per prefill); without a batch, 0 (plain steps until a
+        commit gives evidence)."""
+        if batch is None or drafter is None or self.k == 0 or not len(row_ids):
+            return self._admit_as(row_ids, [0] * len(row_ids))
+        self._prepare(drafter, self.k, batch.device)
+        nothing = batch.lengths.new_zeros(batch.batch_size, 0)  # [B, 0]: no commit yet
+        features = self.features(batch, drafter, nothing, batch.lengths.new_zeros(batch.batch_size))
+        values = self.decide(batch, features).tolist()
+        return values
+
+    def features(self, batch, drafter, predictions, committed) -> torch.Tensor:
+        """[B, k] long: the drafter's evidence for every row's next drafts (one feature
+        when it gives none)."""
+        evidence = getattr(drafter, "evidence", None)
+        if evidence is None:
+            return torch.zeros(batch.batch_size, self.k, dtype=torch.long, device=batch.device)
+        return evidence(batch, predictions, committed, self.k)
 
     def learn(self, batch, spec, k_step: int) -> None:
         """Count, per (feature, slot) of this step's drafts, the slots reached (every
@@ -275,30 +351,37 @@ class AdaptivePolicy(_PerRequest):
         usable = layout.draft_limit(layout.TORCH, k, batch.remaining)  # [B]
         return e.gather(1, torch.minimum(torch.arange(k + 1, device=e.device)[None, :], usable[:, None]))
 
+    def decide(self, batch, features: torch.Tensor) -> torch.Tensor:
+        """[B] long: every row's next ``k_b`` from its evidence (device; finished rows 0);
+        records it in the request table."""
+        k = self.k
+        e = self.expected(batch, features)  # [B, k+1]
+        active = ~batch.finished
+        ratios = self.costs.ratios(max(1, batch.batch_size), k + 1)
+        if ratios is None:  # no plain step over as many rows measured: plan one
+            nxt = torch.zeros_like(batch.lengths)
+            self.next.index_copy_(0, batch.row_ids, nxt)
+            return nxt
+        # 1 / r(w) for w = 1 .. k+1 (host floats, used as scalars: nothing is uploaded)
+        scale = [1.0 / x for x in ratios]
+        # the step's width: the batch's expected tokens per cost, where every active row
+        # uses the step's w - 1 drafts (the verify forward is rectangular: once the step
+        # is w wide, a row's drafts cost nothing more than its plain token), a plain step
+        # given the margin
+        total = (e * active[:, None]).sum(dim=0)  # [k+1]
+        scale[0] *= 1 + self.margin
+        width = torch.stack([total[j] * scale[j] for j in range(k + 1)]).argmax()  # w - 1
+        nxt = torch.where(active, width, 0)
+        self.next.index_copy_(0, batch.row_ids, nxt)
+        return nxt
+
     def plan(self, batch, spec, drafter, k_step: int) -> torch.Tensor:
         k = self.k
         self._prepare(drafter, k, batch.device)
         self.learn(batch, spec, k_step)
         if k == 0:
             return torch.zeros_like(batch.lengths)
-        evidence = getattr(drafter, "evidence", None)
-        features = evidence(batch, spec.predictions, spec.committed, k) if evidence is not None \
-            else torch.zeros(batch.batch_size, k, dtype=torch.long, device=batch.device)
-        e = self.expected(batch, features)  # [B, k+1]
-        active = ~batch.finished
-        # 1 / r(w) for w = 1 .. k+1 (host floats, used as scalars: nothing is uploaded)
-        scale = [1.0 / x for x in self.costs.ratios(max(1, batch.batch_size), k + 1)]
-        # a row drafts where its own best E(j) / r(j + 1) beats a plain step
-        own = torch.stack([e[:, j] * scale[j] for j in range(k + 1)], dim=1).argmax(dim=1)
-        drafting = (own >= 1) & active
-        # the step's width: the batch's expected tokens per cost (rows that draft use
-        # w - 1 drafts, the others none), a plain step given the margin
-        total = (torch.where(drafting[:, None], e, 1.0) * active[:, None]).sum(dim=0)  # [k+1]
-        scale[0] *= 1 + self.margin
-        width = torch.stack([total[j] * scale[j] for j in range(k + 1)]).argmax()  # w - 1
-        nxt = torch.where(drafting, width, 0)
-        self.next.index_copy_(0, batch.row_ids, nxt)
-        return nxt
+        return self.decide(batch, self.features(batch, drafter, spec.predictions, spec.committed))
 
     def observe(self, width: int, rows: int, seconds: float) -> None:
         self.costs.observe(width, rows, seconds)
@@ -307,12 +390,12 @@ class AdaptivePolicy(_PerRequest):
 POLICIES = ("adaptive", "fixed")
 
 
-def resolve(policy) -> DraftPolicy:
-    """``"adaptive"`` (a fresh ``AdaptivePolicy``), ``"fixed"`` or a policy object
-    (anything with the ``DraftPolicy`` methods)."""
+def resolve(policy, model=None) -> DraftPolicy:
+    """``"adaptive"`` (a fresh ``AdaptivePolicy`` on ``model``'s ``calibration``, when
+    given), ``"fixed"`` or a policy object (anything with the ``DraftPolicy`` methods)."""
     if isinstance(policy, str):
         if policy == "adaptive":
-            return AdaptivePolicy()
+            return AdaptivePolicy(calibration=None if model is None else calibration(model))
         if policy == "fixed":
             return FixedPolicy()
         raise ValueError(f"policy must be one of {POLICIES} or a DraftPolicy object, got {policy!r}")

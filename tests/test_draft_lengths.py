@@ -127,9 +127,65 @@ def test_an_adaptive_policy_passed_again_keeps_what_it_learned():
     assert set(chosen.costs.seconds) >= set(measured)
 
 
+
+class Priced(policy.StepCosts):
+    """Step costs fixed at r(w) = 1 + slope (w - 1) (nothing measured counts)."""
+
+    def __init__(self, slope):
+        super().__init__()
+        self.fixed = slope
+
+    def ratios(self, rows, widths):
+        return [1.0 + self.fixed * w for w in range(widths)]
+
+
+def test_adaptive_calls_on_one_model_share_its_calibration():
+    # policy="adaptive" starts from what the earlier calls on the same model measured
+    target, _ = tiny_pair("llama")
+    cal = policy.calibration(target)
+    assert policy.resolve("adaptive", target).calibration is cal
+    assert policy.resolve("adaptive", tiny_pair("qwen3")[0]).calibration is not cal
+    measured, cal.costs = cal.costs, Priced(0.05)  # cheap width: the call drafts
+    try:
+        specdec.generate(target, repetitive_prompts(), k=K, batch_size=4, max_new_tokens=NEW)
+        assert cal.costs.seconds  # step costs measured by this call stay with the model
+    finally:
+        cal.costs = measured
+    (key, (tries, hits)), = [(k, v) for k, v in cal.acceptance.items() if k[0] == "NGramDrafter" and k[2] == K]
+    prior = policy.PRIOR_WEIGHT * len(drafters.NGramDrafter().evidence_prior) * K
+    assert tries.sum() > prior  # and so does the acceptance it counted
+    # a new call weighs what it inherits as at most MEMORY observations per (feature, slot)
+    pol = policy.resolve("adaptive", target)
+    pol.begin(K, 1, torch.device("cpu"))
+    pol._prepare(drafters.NGramDrafter(), K, torch.device("cpu"))
+    assert float(pol.tries.max()) <= policy.MEMORY and torch.allclose(
+        pol.hits / pol.tries, hits / tries)
+
+
+@pytest.mark.parametrize("slope, quoting, drafts", [
+    (0.3, True, True),     # the prompts quote themselves: the first step drafts
+    (0.3, False, False),   # no match in the prompts: the first step is plain decoding
+    (5.0, True, False),    # width too dear for any evidence
+])
+def test_the_first_step_is_planned_from_the_prompts_evidence(slope, quoting, drafts):
+    target, _ = tiny_pair("llama")
+    base = list(range(3, 13))
+    prompts = [base * 3, base[:5] * 4] if quoting else [list(range(3, 30)), list(range(40, 52))]
+    rec = Widths()
+    res = specdec.generate(target, prompts, k=K, batch_size=2, max_new_tokens=NEW, hooks=[rec],
+                           policy=policy.AdaptivePolicy(costs=Priced(slope)))
+    assert res.sequences == specdec.reference_generate(target, prompts, max_new_tokens=NEW)
+    assert (rec.steps[0][0] > 0) == drafts, rec.steps[0]
+
+
+def test_without_the_batch_admitted_rows_start_plain():
+    pol = policy.AdaptivePolicy()
+    pol.begin(K, 3, torch.device("cpu"))
+    assert pol.admit([0, 2]) == [0, 0] and pol.next.tolist() == [0, 0, 0]
+
 # -- the adaptive decision --------------------------------------------------------------------
 
-def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20):
+def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None):
     """The adaptive plan for rows whose per-slot acceptance is ``acceptance[b]`` (one
     evidence feature per row), with step costs ``ratios`` (r(w) = ratios[w - 1])."""
     b = len(acceptance)
@@ -151,7 +207,7 @@ def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20):
     z = torch.zeros(b, dtype=torch.long)
     batch = RaggedBatch(tokens=tokens, valid=valid, positions=positions, lengths=lengths,
                         prompt_lengths=lengths.clone(), budgets=z + budget, generated=z + 1,
-                        finished=torch.zeros(b, dtype=torch.bool), row_ids=torch.arange(b),
+                        finished=torch.tensor(finished or [False] * b), row_ids=torch.arange(b),
                         output=torch.zeros(b, budget + k + 1, dtype=torch.long),
                         target_cache=SlabCache(1, 8))
     spec = phases.Spec(drafts=torch.zeros(b, 0, dtype=torch.long), limit=z, predictions=z[:, None],
@@ -164,10 +220,16 @@ def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20):
 
 
 def test_rows_draft_only_where_their_expected_tokens_per_cost_beat_a_plain_step():
-    cheap = [1.0, 1.1, 1.2, 1.3, 1.4]  # width is cheap: good rows draft k, bad ones none
-    assert plan_with([0.95, 0.02, 0.9], cheap) == [K, 0, K]
+    cheap = [1.0, 1.1, 1.2, 1.3, 1.4]  # width is cheap: the step drafts k...
+    # ...and the weak row rides along: its drafts cost nothing beyond the step's width
+    assert plan_with([0.95, 0.02, 0.9], cheap) == [K, K, K]
     dear = [1.0, 2.5, 3.5, 4.5, 5.5]  # every extra token costs more than it can return
     assert plan_with([0.95, 0.9, 0.99], dear) == [0, 0, 0]
+
+
+def test_a_finished_row_drafts_nothing():
+    cheap = [1.0, 1.1, 1.2, 1.3, 1.4]
+    assert plan_with([0.95, 0.9], cheap, finished=[False, True]) == [K, 0]
 
 
 def test_the_width_is_chosen_for_the_whole_batch():
@@ -188,15 +250,38 @@ def test_the_budget_caps_the_expected_tokens():
 
 def test_step_costs_interpolate_extrapolate_and_start_from_the_prior():
     c = policy.StepCosts(slope=0.2)
-    assert c.ratios(8, 3) == pytest.approx([1.0, 1.2, 1.4])  # nothing measured: the prior
+    assert c.ratios(8, 3) is None  # no plain step measured: no ratio (the policy plans one)
     c.observe(1, 8, 0.30)
+    assert c.ratios(8, 3) == pytest.approx([1.0, 1.2, 1.4])  # only the base: the prior slope
     c.observe(3, 8, 0.60)
     r = c.ratios(8, 5)
     assert r[:3] == pytest.approx([1.0, 1.5, 2.0])  # width 2 interpolated
     assert r[3:] == pytest.approx([2.2, 2.4])  # beyond: the last slope, capped at the prior's
     c.observe(1, 8, 0.40)  # a moving average
     assert c.seconds[8][1] == pytest.approx(0.7 * 0.30 + 0.3 * 0.40)
-    assert c.ratios(7, 1) == [1.0] and c.ratios(6, 3)[2] == pytest.approx(0.60 / 0.33)  # nearest B
+    c.observe(3, 7, 0.5)
+    assert c.ratios(7, 3) is None  # another batch size's base is never borrowed
+
+
+def test_a_batch_size_without_a_measured_plain_step_gets_one():
+    # whatever the evidence, the policy plans a plain step until it has the base
+    pol = policy.AdaptivePolicy()
+    pol.begin(K, 2, torch.device("cpu"))
+    ctx_batch = left_pad([[5, 6, 7, 5, 6, 7, 5, 6, 7]] * 2)
+    from specdec.batch import RaggedBatch
+    from specdec.cache import SlabCache
+
+    tokens, valid, positions, lengths = ctx_batch
+    z = torch.zeros(2, dtype=torch.long)
+    batch = RaggedBatch(tokens=tokens, valid=valid, positions=positions, lengths=lengths,
+                        prompt_lengths=lengths.clone(), budgets=z + 20, generated=z,
+                        finished=torch.zeros(2, dtype=torch.bool), row_ids=torch.arange(2),
+                        output=torch.zeros(2, 30, dtype=torch.long), target_cache=SlabCache(1, 8))
+    d = drafters.NGramDrafter()
+    assert pol.admit([0, 1], batch, d) == [0, 0]
+    pol.observe(1, 2, 0.1)
+    first = pol.admit([0, 1], batch, d)  # a 6-token match: the prior pays for drafting
+    assert first[0] == first[1] > 0
 
 
 def adaptive_step():

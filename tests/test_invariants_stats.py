@@ -30,7 +30,9 @@ STRATEGIES = ("eqspec", "exspec", "holes")
 
 def run(strategy, mode="strict", **kw):
     """Every draft right (forced from the batch-1 reference), and a stop token at row 0's
-    second output: row 0 commits fewer tokens than accepted + 1 at its first step."""
+    second output: row 0 commits fewer tokens than accepted + 1 at its first step (every
+    row drafts k from the first step: policy="fixed" unless given)."""
+    kw.setdefault("policy", "fixed")
     target = models.tiny("llama")
     ref = specdec.reference_generate(target, PROMPTS, max_new_tokens=6, stop_token_ids=[])
     drafter = drafters.ForcingDrafter(ref, [[] for _ in PROMPTS], models.vocab_size(target))

@@ -42,6 +42,9 @@ def grid_drafter(kind: str, family: str, ref):
 
 
 def run(target, prompts, strategy, *, monitor=True, hooks=(), **kw):
+    """``generate`` under the strict Monitor. Tests whose assertions need drafts (holes
+    left, compactions, groups) pass ``policy="fixed"``: the default policy drafts by what
+    earlier calls on the same model measured."""
     mon = invariants.Monitor(mode="strict")
     res = specdec.generate(target, prompts, strategy=strategy,
                            hooks=([mon] if monitor else []) + list(hooks), **kw)
@@ -183,7 +186,7 @@ def test_holes_never_gathers_below_the_threshold(monkeypatch):
     gathers = Counter(monkeypatch, cache_mod.SlabCache, "gather_slots")
     keeps = Counter(monkeypatch, cache_mod.SlabCache, "keep_rows")
     rec = HoleRecorder()
-    res = run(target, prompts, "holes", drafter=drafters.ModelDrafter(draft), k=4, batch_size=8,
+    res = run(target, prompts, "holes", policy="fixed", drafter=drafters.ModelDrafter(draft), k=4, batch_size=8,
               max_new_tokens=NEW, hole_threshold=1.0, hooks=[rec])
     assert res.sequences == ref
     assert gathers.calls == 0 and res.stats.compactions == 0
@@ -198,7 +201,7 @@ def test_holes_compacts_above_the_threshold(monkeypatch):
     counts = {}
     for h in (0.0, 0.05, 1.0):
         gathers = Counter(monkeypatch, cache_mod.SlabCache, "gather_slots")
-        res = run(target, prompts, "holes", drafter=drafters.ModelDrafter(draft), k=4,
+        res = run(target, prompts, "holes", policy="fixed", drafter=drafters.ModelDrafter(draft), k=4,
                   batch_size=8, max_new_tokens=NEW, hole_threshold=h)
         assert res.sequences == ref
         assert gathers.calls == 2 * res.stats.compactions  # target and draft cache
@@ -345,7 +348,7 @@ def test_exspec_groups_equal_lengths_and_reuses_the_group(monkeypatch):
     ref = specdec.reference_generate(target, prompts, max_new_tokens=NEW, stop_token_ids=[])
     loads = Counter(monkeypatch, cache_mod.SlotPool, "load")
     rec = PoolRecorder(len(prompts), 4)
-    res = run(target, prompts, "exspec", drafter=drafters.ScriptedDrafter(ref), k=3,
+    res = run(target, prompts, "exspec", policy="fixed", drafter=drafters.ScriptedDrafter(ref), k=3,
               batch_size=2, window=4, max_new_tokens=NEW, stop_token_ids=[], hooks=[rec])
     assert res.sequences == ref
     assert res.stats.group_rate == 1.0 and set(rec.profiles) == {"grouped"}
@@ -362,7 +365,7 @@ def test_exspec_fallback_refill_order_and_conservation():
     stops = [free[3][2], free[6][9]]
     ref = specdec.reference_generate(target, prompts, max_new_tokens=20, stop_token_ids=stops)
     rec = PoolRecorder(len(prompts), 6)
-    res = run(target, prompts, "exspec", drafter=drafters.ModelDrafter(draft), k=4,
+    res = run(target, prompts, "exspec", policy="fixed", drafter=drafters.ModelDrafter(draft), k=4,
               batch_size=3, window=6, max_new_tokens=20, stop_token_ids=stops, hooks=[rec])
     assert res.sequences == ref
     assert "contiguous" in rec.profiles  # the fallback ran
@@ -387,7 +390,7 @@ def test_exspec_group_rate_on_a_mixed_workload():
     v = models.TINY_VOCAB
     scripts = [[(t + 1) % v if (i + r) % 4 == 3 else t for i, t in enumerate(s)]
                for r, s in enumerate(ref)]
-    res = run(target, prompts, "exspec", drafter=drafters.ScriptedDrafter(scripts),
+    res = run(target, prompts, "exspec", policy="fixed", drafter=drafters.ScriptedDrafter(scripts),
               k=4, batch_size=2, window=8, max_new_tokens=NEW, stop_token_ids=[])
     assert res.sequences == ref
     assert 0.0 < res.stats.group_rate < 1.0
