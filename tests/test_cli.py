@@ -72,6 +72,32 @@ def test_replay_of_a_trace_without_run_spec_explains_why(tmp_path, capsys):
     assert "no run spec" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("known_bad, invariant", [("accept_first_mismatch", "C2"),
+                                                  ("mask_all_ones", "I3")])
+def test_replay_reproduces_a_guard_violation_under_the_guard(tmp_path, capsys, known_bad,
+                                                             invariant):
+    """A trace written by guard_model (source "guard": a content rule, or a forward's
+    coherence) replays under the guard, not the Monitor, and the same run without the
+    fault is silent there."""
+    spec = {"model": "tiny:llama", "prompts": random_prompts((3, 9, 20), models.TINY_VOCAB, seed=1),
+            "drafter": {"kind": "ngram"}, "k": 3, "max_new_tokens": 8, "known_bad": known_bad}
+    result = run_spec(spec, checker="guard")
+    assert result.violations and result.violations[0].trace["source"] == "guard"
+    saved = result.violations[0]
+    assert saved.invariant == invariant
+    path = tmp_path / "trace.json"
+    saved.save(path)
+    assert cli.main(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("reproduced") and saved.invariant in out
+    assert run_spec({**spec, "known_bad": None}, checker="guard").violations == []
+
+
+def test_run_spec_names_its_checkers():
+    with pytest.raises(ValueError, match="checker must be one of"):
+        run_spec({"model": "tiny:llama", "prompts": [[3, 4]]}, checker="deep")
+
+
 def test_replay_of_a_malformed_file_is_a_clean_error(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")

@@ -17,9 +17,13 @@ field), then by the same checks as ``specdec.generate`` once the model is loaded
 (vocabulary, budget within the context).
 
 ``run_spec(spec)`` runs it under a strict recording ``Monitor(run=spec)``, so every
-violation's trace carries the spec; ``replay(trace)`` re-runs the spec stored in a trace
-(an ``InvariantViolation`` JSON, or a proofs counterexample) and says whether the same
-violation (invariant, step, phase, rows) comes back. Tiny models are seeded and decoding
+violation's trace carries the spec; ``run_spec(spec, checker="guard")`` runs it under
+``guard_model(run=spec, prompts=...)`` instead (coherence and the content rules C1-C3,
+outputs checked at the end). ``replay(trace)`` re-runs the spec stored in a trace (an
+``InvariantViolation`` JSON, or a proofs counterexample) under the checker that wrote it
+(the trace's ``source``) and says whether the same violation (invariant, step, phase,
+rows) comes back. A foreign loop's guard trace has no run spec (the project cannot
+re-run someone else's loop): it says so instead. Tiny models are seeded and decoding
 is greedy or sampled with counter-based noise (``specdec.sampling``), so a replay is
 deterministic.
 """
@@ -57,26 +61,47 @@ class RunResult:
     spec: dict
 
 
-def run_spec(spec: dict, *, target=None) -> RunResult:
-    """Run the decoding described by ``spec`` under a strict, recording Monitor."""
+#: the checkers a run spec can be replayed under: the strict Monitor on the engine's views,
+#: or ``guard_model`` on the target's forwards with the content rules C1-C3 (the trace's
+#: ``source``: "monitor" or "guard")
+CHECKERS = ("monitor", "guard")
+
+
+def run_spec(spec: dict, *, target=None, checker: str = "monitor") -> RunResult:
+    """Run the decoding described by ``spec`` under a strict recording checker: the
+    ``Monitor`` (default), or ``guard_model`` around the target with the content rules
+    (prompts, budget, the run's stop ids, greedy unless the spec samples), outputs checked
+    at the end."""
     import invariants
 
     from .. import engine, models, mutants, strategies, validation
     from ..sampling import Sampling
     from .known_bad import KNOWN_BAD, generate_known_bad
 
+    if checker not in CHECKERS:
+        raise ValueError(f"checker must be one of {CHECKERS}, got {checker!r}")
     validation.run_spec(spec, strategy_names=strategies.names(), known_bad_names=tuple(KNOWN_BAD))
     json.dumps(spec)  # a spec must be JSON-able: it goes into traces
     sampling = Sampling(**spec["sampling"]) if spec.get("sampling") is not None else None
     if target is None:
         target = models.resolve(spec.get("model", "default"))[0]
     drafter = make_drafter(spec, target)
-    mon = invariants.Monitor(mode="strict", raise_on_violation=False, run=spec)
-    common = dict(drafter=drafter, k=spec.get("k", 4), max_new_tokens=spec.get("max_new_tokens", 16),
-                  stop_token_ids=spec.get("stop_token_ids"), hooks=[mon])
+    budget = spec.get("max_new_tokens", 16)
+    stops = spec.get("stop_token_ids")
+    if checker == "monitor":
+        mon = invariants.Monitor(mode="strict", raise_on_violation=False, run=spec)
+        hooks, guard = [mon], contextlib.nullcontext()
+    else:
+        hooks, mon = [], None
+        guard = invariants.guard_model(
+            target, "strict", raise_on_violation=False, run=spec, prompts=spec["prompts"],
+            max_new_tokens=budget, greedy=sampling is None,
+            stop_token_ids=models.stop_token_ids(target) if stops is None else stops)
+    common = dict(drafter=drafter, k=spec.get("k", 4), max_new_tokens=budget,
+                  stop_token_ids=stops, hooks=hooks)
     mutant = spec.get("mutant")
     ctx = mutants.apply(mutant) if mutant else contextlib.nullcontext()
-    with ctx, torch.no_grad():
+    with ctx, torch.no_grad(), guard as g:
         if spec.get("known_bad"):
             seqs, _ = generate_known_bad(spec["known_bad"], target, spec["prompts"],
                                          batch_size=spec.get("batch_size"), **common)
@@ -84,7 +109,8 @@ def run_spec(spec: dict, *, target=None) -> RunResult:
             seqs = engine.generate(target, spec["prompts"], strategy=spec.get("strategy", "eqspec"),
                                    batch_size=spec.get("batch_size", 8), sampling=sampling,
                                    **common).sequences
-    return RunResult(seqs, mon.check(), spec)
+    violations = mon.check() if mon is not None else g.check_outputs(seqs)
+    return RunResult(seqs, violations, spec)
 
 
 def _signature(v) -> tuple:
@@ -141,7 +167,8 @@ def replay(trace) -> tuple[bool, str]:
     if "prompts" not in spec:
         return False, ("this trace has no run spec (Monitor(run=...)) to replay: record runs "
                        "with specdec.forensics.replay.run_spec or pass run= to the Monitor")
-    result = run_spec(spec)
+    checker = "guard" if saved.trace.get("source") == "guard" else "monitor"
+    result = run_spec(spec, checker=checker)
     if not result.violations:
         return False, f"replayed {spec.get('model')}: no violation this time (saved: {saved.invariant} " \
                       f"at step {saved.step}, {saved.phase})"
