@@ -255,6 +255,15 @@ def calibration(model) -> Calibration:
     return found
 
 
+def forget_calibration(model=None) -> None:
+    """Drop what adaptive policies learned about ``model`` (every model when None): the
+    next ``policy="adaptive"`` call starts from the priors again, as a first call does."""
+    if model is None:
+        _CALIBRATIONS.clear()
+    else:
+        _CALIBRATIONS.pop(model, None)
+
+
 class AdaptivePolicy(_PerRequest):
     """Per-row draft lengths for goodput (see the module docstring).
 

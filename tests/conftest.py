@@ -43,6 +43,17 @@ def _skip_slow(items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_calibration():
+    """Every test starts with nothing learned by adaptive policies (``policy="adaptive"``
+    keeps per-model calibration across calls, and tests share models): a test's draft
+    lengths never depend on which tests ran before it."""
+    from specdec.policy import forget_calibration
+
+    forget_calibration()
+    yield
+
+
 @pytest.fixture(scope="session", params=models.FAMILIES)
 def family(request) -> str:
     return request.param

@@ -162,6 +162,18 @@ def test_adaptive_calls_on_one_model_share_its_calibration():
         pol.hits / pol.tries, hits / tries)
 
 
+def test_forgetting_a_calibration_starts_the_next_call_from_the_priors():
+    target, _ = tiny_pair("llama")
+    other = tiny_pair("qwen3")[0]
+    cal, kept = policy.calibration(target), policy.calibration(other)
+    cal.acceptance["seen"] = "something learned"
+    policy.forget_calibration(target)
+    assert policy.calibration(target) is not cal and policy.calibration(target).acceptance == {}
+    assert policy.calibration(other) is kept  # only that model's
+    policy.forget_calibration()
+    assert policy.calibration(other) is not kept
+
+
 @pytest.mark.parametrize("slope, quoting, drafts", [
     (0.3, True, True),     # the prompts quote themselves: the first step drafts
     (0.3, False, False),   # no match in the prompts: the first step is plain decoding

@@ -355,7 +355,8 @@ def test_fast_mode_records_what_strict_records_on_mutants(name):
     with mutants.apply(name):
         found = _same_records(lambda hooks: specdec.generate(
             target, PROMPTS, drafter=make_drafter("scripted", "llama", target), k=K,
-            batch_size=3, max_new_tokens=BUDGET, strategy=strategy, hooks=hooks))
+            batch_size=3, max_new_tokens=BUDGET, strategy=strategy, hooks=hooks,
+            policy="fixed"))  # every row drafts k: the mutants act on drafts
     assert found
 
 

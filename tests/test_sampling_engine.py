@@ -116,13 +116,14 @@ def test_a_draft_model_in_coupled_mode_meets_the_targets_own_choice():
     target, draft = tiny_pair("llama")
     prompts = random_prompts((5, 9, 14, 3), models.TINY_VOCAB)
     s = Sampling(temperature=1.0, seed=2)
+    fixed = dict(policy="fixed")  # acceptance compared at the same draft lengths
     same = specdec.generate(target, prompts, drafter=drafters.ModelDrafter(target), k=4,
-                            max_new_tokens=12, stop_token_ids=[], sampling=s)
+                            max_new_tokens=12, stop_token_ids=[], sampling=s, **fixed)
     assert same.stats.acceptance == 1.0
     close = specdec.generate(target, prompts, drafter=drafters.ModelDrafter(draft), k=4,
-                             max_new_tokens=12, stop_token_ids=[], sampling=s)
+                             max_new_tokens=12, stop_token_ids=[], sampling=s, **fixed)
     greedy = specdec.generate(target, prompts, drafter=drafters.ModelDrafter(draft), k=4,
-                              max_new_tokens=12, stop_token_ids=[])
+                              max_new_tokens=12, stop_token_ids=[], **fixed)
     assert close.stats.acceptance > greedy.stats.acceptance - 0.1
 
 
