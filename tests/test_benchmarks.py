@@ -217,3 +217,27 @@ def test_guard_content_overhead_reports_every_workload_and_mode(tmp_path, capsys
         assert r["rules_over_guard_cpu"] == pytest.approx(
             (r["content_cpu_us"] - r["guard_cpu_us"]) / r["guard_cpu_us"])
     assert "rules/guard" in capsys.readouterr().out
+
+
+def test_width_cost_prices_every_width_and_its_break_even(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("width_cost", ROOT / "benchmarks" / "width_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # the break-even acceptance solves 1 + p + ... + p^(w-1) = r(w)
+    assert bench.break_even(1.0, 3) == 0.0
+    assert bench.break_even(3.0, 3) is None and bench.break_even(3.5, 3) is None
+    p = bench.break_even(1.75, 3)
+    assert abs(1 + p + p * p - 1.75) < 1e-9 and abs(p - 0.5) < 1e-9
+    out = tmp_path / "w.json"
+    assert bench.main(["--model", "tiny:llama", "--batch-sizes", "1", "3", "--k", "2",
+                       "--context", "6", "--repeats", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for b in ("1", "3"):
+        rows = data["batches"][b]
+        assert [r["width"] for r in rows] == [1, 2, 3]
+        assert rows[0]["ratio"] == 1.0 and all(r["cpu_ms"] > 0 for r in rows)
+        for r in rows[1:]:
+            assert r["break_even"] == bench.break_even(r["ratio"], r["width"])
+    assert "p*" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--k must be at least 1"):
+        bench.main(["--model", "tiny:llama", "--k", "0"])
