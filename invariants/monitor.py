@@ -156,12 +156,14 @@ class _Plan:
         self.get = operator.attrgetter(*self.fields) if len(self.fields) > 1 else (
             (lambda v, one=operator.attrgetter(self.fields[0]): (one(v),)) if self.fields
             else (lambda v: ()))
-        # (group, picks its values out of the view's, host rules)
+        # (group, picks its values out of the view's, host rules, its name, its bit in
+        # the set of groups that run)
         self.steps = tuple(
             (g, None if not skip or g.reads is None
-             else _picker(tuple(order.index(n) for n in g.reads)), g.host_rules)
-            for g in groups)
-        self.fusions = {}  # names of the groups that run -> the fusions covering them
+             else _picker(tuple(order.index(n) for n in g.reads)), g.host_rules, g.name,
+             1 << i)
+            for i, g in enumerate(groups))
+        self.fusions = {}  # bits of the groups that run -> the fusions covering them
         self._all_fusions = fusions
 
     def values(self, view, facts) -> tuple:
@@ -170,11 +172,12 @@ class _Plan:
             vals = vals + tuple([facts.dep(n) for n in self.state])
         return vals
 
-    def fusions_for(self, names: tuple) -> tuple:
-        f = self.fusions.get(names)
+    def fusions_for(self, bits: int) -> tuple:
+        """The fusions covering the groups that run (``bits``: theirs, or-ed)."""
+        f = self.fusions.get(bits)
         if f is None:
-            have = set(names)
-            f = self.fusions[names] = tuple(
+            have = {name for _, _, _, name, bit in self.steps if bits & bit}
+            f = self.fusions[bits] = tuple(
                 x for x in self._all_fusions if all(n in have for n in x.groups))
         return f
 
@@ -330,27 +333,30 @@ class Monitor(Checker):
         plan = self._plan(view, shapes_ok)
         memo = self._memo
         to_run = []
+        bits = 0
         if plan.fields or plan.state:
             values = plan.values(view, facts)
             sig = _signature(values)
-        for g, pick, host_rules in plan.steps:
+        for g, pick, host_rules, name, bit in plan.steps:
             if pick is not None:  # skip a group whose inputs are those it checked
                 now = pick(sig)
-                old = memo.get(g.name)
+                old = memo.get(name)
                 if old is not None and old[1] == now:
                     continue  # (the memo already holds these very values)
-                memo[g.name] = (pick(values), now)
+                memo[name] = (pick(values), now)
             to_run.append((g, host_rules))
+            bits |= bit
         if not to_run:
             return None
         b = view.batch_size
         masks, shared, waiting = [], {}, []
-        for fusion in plan.fusions_for(tuple(g.name for g, _ in to_run)):
+        for fusion in plan.fusions_for(bits):
             if fusion.defer is not None and self.mode == "fast":
                 # fast mode reads at the end: copy what the fusion reads (a snapshot the
                 # monitor keeps anyway, two stacks) and check every such view at once
                 try:
-                    wait = fusion.defer(facts, self._snapshot_of(view))
+                    wait = fusion.defer(facts, self._snapshot_of(view) if fusion.snapshot
+                                        else None)
                 except (RuntimeError, IndexError, ValueError, AttributeError):
                     wait = None
                 if wait is not None:
