@@ -145,13 +145,14 @@ class _Plan:
     are present, which monitor state exists), each with how to pick what it compares out
     of the view's one signature; and, per set of groups that run, the fusions to use."""
 
-    __slots__ = ("steps", "fields", "state", "get", "fusions", "_all_fusions")
+    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions")
 
     def __init__(self, groups, skip: bool, fusions):
         names = [] if not skip else list(dict.fromkeys(
             n for g in groups if g.reads is not None for n in g.reads))
         self.fields = tuple(n for n in names if n not in _STATE_NAMES)
         self.state = tuple(n for n in names if n in _STATE_NAMES)
+        self.state_index = tuple(_STATE_NAMES.index(n) for n in self.state)
         order = self.fields + self.state
         self.get = operator.attrgetter(*self.fields) if len(self.fields) > 1 else (
             (lambda v, one=operator.attrgetter(self.fields[0]): (one(v),)) if self.fields
@@ -166,10 +167,15 @@ class _Plan:
         self.fusions = {}  # bits of the groups that run -> the fusions covering them
         self._all_fusions = fusions
 
-    def values(self, view, facts) -> tuple:
+    def values(self, view, prev, prompts, stops) -> tuple:
+        """The view's fields, then the monitor state the groups read (``rules.Facts.dep``
+        of each name: the snapshot, the prompts, the stop ids, whether the view is a
+        commit, a prefill), without building the view's Facts."""
         vals = self.get(view)
         if self.state:
-            vals = vals + tuple([facts.dep(n) for n in self.state])
+            phase = view.phase
+            known = (prev, prompts, stops, phase == "commit", phase == "prefill")
+            vals = vals + tuple([known[i] for i in self.state_index])
         return vals
 
     def fusions_for(self, bits: int) -> tuple:
@@ -326,16 +332,14 @@ class Monitor(Checker):
         where a ``rules.FUSIONS`` entry covers several): an Entry with their ``[B]`` masks
         (device), or None when nothing ran."""
         device = view.tokens.device
-        facts = R.Facts(view, stops=self._stops_of(view, device), prev=self._prev,
-                        prompts=self._prompts, consts=self._consts, lookups=self._lookups,
-                        device=device)
+        stops = self._stops_of(view, device)
         shapes_ok = view.valid.shape == view.tokens.shape == view.positions.shape
         plan = self._plan(view, shapes_ok)
         memo = self._memo
         to_run = []
         bits = 0
         if plan.fields or plan.state:
-            values = plan.values(view, facts)
+            values = plan.values(view, self._prev, self._prompts, stops)
             sig = _signature(values)
         for g, pick, host_rules, name, bit in plan.steps:
             if pick is not None:  # skip a group whose inputs are those it checked
@@ -348,6 +352,8 @@ class Monitor(Checker):
             bits |= bit
         if not to_run:
             return None
+        facts = R.Facts(view, stops=stops, prev=self._prev, prompts=self._prompts,
+                        consts=self._consts, lookups=self._lookups, device=device)
         b = view.batch_size
         masks, shared, waiting = [], {}, []
         for fusion in plan.fusions_for(bits):
