@@ -145,36 +145,45 @@ class _Plan:
     are present, which monitor state exists), each with how to pick what it compares out
     of the view's one signature; and, per set of groups that run, the fusions to use."""
 
-    __slots__ = ("steps", "fields", "state", "get", "fusions", "_all_fusions")
+    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions")
 
     def __init__(self, groups, skip: bool, fusions):
         names = [] if not skip else list(dict.fromkeys(
             n for g in groups if g.reads is not None for n in g.reads))
         self.fields = tuple(n for n in names if n not in _STATE_NAMES)
         self.state = tuple(n for n in names if n in _STATE_NAMES)
+        self.state_index = tuple(_STATE_NAMES.index(n) for n in self.state)
         order = self.fields + self.state
         self.get = operator.attrgetter(*self.fields) if len(self.fields) > 1 else (
             (lambda v, one=operator.attrgetter(self.fields[0]): (one(v),)) if self.fields
             else (lambda v: ()))
-        # (group, picks its values out of the view's, host rules)
+        # (group, picks its values out of the view's, host rules, its name, its bit in
+        # the set of groups that run)
         self.steps = tuple(
             (g, None if not skip or g.reads is None
-             else _picker(tuple(order.index(n) for n in g.reads)), g.host_rules)
-            for g in groups)
-        self.fusions = {}  # names of the groups that run -> the fusions covering them
+             else _picker(tuple(order.index(n) for n in g.reads)), g.host_rules, g.name,
+             1 << i)
+            for i, g in enumerate(groups))
+        self.fusions = {}  # bits of the groups that run -> the fusions covering them
         self._all_fusions = fusions
 
-    def values(self, view, facts) -> tuple:
+    def values(self, view, prev, prompts, stops) -> tuple:
+        """The view's fields, then the monitor state the groups read (``rules.Facts.dep``
+        of each name: the snapshot, the prompts, the stop ids, whether the view is a
+        commit, a prefill), without building the view's Facts."""
         vals = self.get(view)
         if self.state:
-            vals = vals + tuple([facts.dep(n) for n in self.state])
+            phase = view.phase
+            known = (prev, prompts, stops, phase == "commit", phase == "prefill")
+            vals = vals + tuple([known[i] for i in self.state_index])
         return vals
 
-    def fusions_for(self, names: tuple) -> tuple:
-        f = self.fusions.get(names)
+    def fusions_for(self, bits: int) -> tuple:
+        """The fusions covering the groups that run (``bits``: theirs, or-ed)."""
+        f = self.fusions.get(bits)
         if f is None:
-            have = set(names)
-            f = self.fusions[names] = tuple(
+            have = {name for _, _, _, name, bit in self.steps if bits & bit}
+            f = self.fusions[bits] = tuple(
                 x for x in self._all_fusions if all(n in have for n in x.groups))
         return f
 
@@ -323,34 +332,37 @@ class Monitor(Checker):
         where a ``rules.FUSIONS`` entry covers several): an Entry with their ``[B]`` masks
         (device), or None when nothing ran."""
         device = view.tokens.device
-        facts = R.Facts(view, stops=self._stops_of(view, device), prev=self._prev,
-                        prompts=self._prompts, consts=self._consts, lookups=self._lookups,
-                        device=device)
+        stops = self._stops_of(view, device)
         shapes_ok = view.valid.shape == view.tokens.shape == view.positions.shape
         plan = self._plan(view, shapes_ok)
         memo = self._memo
         to_run = []
+        bits = 0
         if plan.fields or plan.state:
-            values = plan.values(view, facts)
+            values = plan.values(view, self._prev, self._prompts, stops)
             sig = _signature(values)
-        for g, pick, host_rules in plan.steps:
+        for g, pick, host_rules, name, bit in plan.steps:
             if pick is not None:  # skip a group whose inputs are those it checked
                 now = pick(sig)
-                old = memo.get(g.name)
+                old = memo.get(name)
                 if old is not None and old[1] == now:
                     continue  # (the memo already holds these very values)
-                memo[g.name] = (pick(values), now)
+                memo[name] = (pick(values), now)
             to_run.append((g, host_rules))
+            bits |= bit
         if not to_run:
             return None
+        facts = R.Facts(view, stops=stops, prev=self._prev, prompts=self._prompts,
+                        consts=self._consts, lookups=self._lookups, device=device)
         b = view.batch_size
         masks, shared, waiting = [], {}, []
-        for fusion in plan.fusions_for(tuple(g.name for g, _ in to_run)):
+        for fusion in plan.fusions_for(bits):
             if fusion.defer is not None and self.mode == "fast":
                 # fast mode reads at the end: copy what the fusion reads (a snapshot the
                 # monitor keeps anyway, two stacks) and check every such view at once
                 try:
-                    wait = fusion.defer(facts, self._snapshot_of(view))
+                    wait = fusion.defer(facts, self._snapshot_of(view) if fusion.snapshot
+                                        else None)
                 except (RuntimeError, IndexError, ValueError, AttributeError):
                     wait = None
                 if wait is not None:

@@ -271,7 +271,8 @@ class Facts:
         very rows it came from, else a search by request id (cached per row-id tensor)."""
         v = self.view
         if table_state.newest == self.B and P.same_rows(table_state.source, v.row_ids):
-            return table_state.table[: self.B], None
+            t = table_state.table
+            return (t if t.shape[0] == self.B else t[: self.B]), None
         key = (id(v.row_ids), id(table_state))
         hit = self._lookups.get(key)
         if hit is not None and hit[0] is v.row_ids and hit[1] is table_state \
@@ -315,9 +316,16 @@ class Facts:
         view's own."""
         v = self.view
         if v.drafts is not None and v.phase in ("verify", "commit"):
-            return (torch.cat([v.tokens, v.drafts], dim=1),
-                    torch.cat([self.valid, self.consts.ones(*v.drafts.shape, self.device)], dim=1))
+            return torch.cat([v.tokens, v.drafts], dim=1), self.extended_valid
         return v.tokens, self.valid
+
+    @cached_property
+    def extended_valid(self) -> torch.Tensor:
+        """[B, W + k] bool: ``extended``'s valid alone (without its tokens' copy)."""
+        v = self.view
+        if v.drafts is not None and v.phase in ("verify", "commit"):
+            return torch.cat([self.valid, self.consts.ones(*v.drafts.shape, self.device)], dim=1)
+        return self.valid
 
 
 def _found(mask: torch.Tensor, found: torch.Tensor | None) -> torch.Tensor:
@@ -460,7 +468,11 @@ def _fused_contiguous(f: Facts) -> torch.Tensor:
 def _fused_holes(f: Facts) -> torch.Tensor:
     n = f.view.lengths
     # n > W cannot equal a count of at most W valid slots
-    return (n < 1) | (f.valid.sum(dim=1) != n) | ~(f.valid[:, -1] | f.finished)
+    return (n < 1) | (f.valid.sum(dim=1) != n)
+
+
+def _fused_holes_pending(f: Facts) -> torch.Tensor:
+    return ~(f.valid[:, -1] | f.finished)
 
 
 def _fused_grouped(f: Facts) -> torch.Tensor:
@@ -918,6 +930,9 @@ class Fusion:
     # waiting view of one key at once ([sum of B] bool, in order)
     defer: Callable | None = None
     batch: Callable | None = None
+    # ``defer`` reads the view's snapshot table (else it is given None: a monitor builds
+    # the table only for the views whose check needs it)
+    snapshot: bool = False
 
 
 #: a coefficient that switches a constraint off (any count in a view is far below it)
@@ -1191,7 +1206,8 @@ def _fused_holes_realign(f: Facts):
 class RealignEvidence:
     """What ``realign_flags`` reads of one realign view, copied when the view is seen:
     tokens, positions and valid (as 0/1) stacked [B, 3, W] long, and output ++ lengths,
-    prompt lengths, generated, the extra flag [B, T + 4] long; the remembered prompt rows
+    prompt lengths, generated, the extra column (nonzero where its flag
+    holds) [B, T + 4] long; the remembered prompt rows
     [B, 2 + P] and ``found`` (the monitor's own tables, never written in place)."""
 
     # [B, 3, W] long
@@ -1222,10 +1238,12 @@ def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
         return None
     holes = v.profile == "holes"
     prompts, found = f._rows_of(f.prompts)
-    extra = f.finished if holes else (v.lengths.max() != w).expand(b)
+    # the extra column is nonzero where the flag holds: holes, finished; contiguous,
+    # max(lengths) - W (the minimal-width rule), already long
+    extra = P._long(f.finished) if holes else (v.lengths.max() - w).expand(b)
     slots = torch.stack([v.tokens, v.positions, f.valid.long()], 1)
     rows = torch.cat([v.output, torch.stack([v.lengths, v.prompt_lengths, v.generated,
-                                             extra.long()], 1)], 1)
+                                             extra], 1)], 1)
     key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
     return key, RealignEvidence(slots, rows, prompts, found)
 
@@ -1312,14 +1330,19 @@ def forward_evidence(f: Facts, table=None):
         return None
     b, c, q = f.B, fw.cache_width, fw.input_ids.shape[-1]
     span = c + q
-    tokens, valid = f.extended
+    valid = f.extended_valid
     m, pos = fw.attention_mask, fw.positions
     if m.dim() != 2 or tuple(m.shape) != (b, span) or tuple(valid.shape) != (b, span) \
             or tuple(fw.input_ids.shape) != (b, q) or pos.dim() != 2 \
             or pos.shape[0] not in (1, b) or pos.shape[1] != q \
             or tuple(v.draft_limit.shape) != (b,) or c < 0:
         return None
-    ints = torch.cat([fw.input_ids, pos.expand(b, q), tokens[:, c:], v.draft_limit[:, None]], 1)
+    # the row's tokens at the new slots, ``extended``'s tokens[:, c:], without copying
+    # the whole extended row first
+    w = v.tokens.shape[1]
+    new = [v.tokens[:, c:], v.drafts] if c <= w else [v.drafts[:, c - w:]]
+    ints = torch.cat([fw.input_ids, pos if pos.shape[0] == b else pos.expand(b, q), *new,
+                      v.draft_limit[:, None]], 1)
     return (q, f.device), ForwardEvidence(ints, torch.stack([f.fmask, valid], 1))
 
 
@@ -1343,10 +1366,10 @@ def forward_batch(key, evidence: list, consts: Constants, stops=None) -> torch.T
 FUSIONS = (
     Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
-           commit_batch),
+           commit_batch, snapshot=True),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
            realign_evidence, realign_batch),
-    Fusion(("I2.holes", "I3.positions", "I6.sequence"), _fused_holes_realign,
+    Fusion(("I2.holes", "I2.holes_pending", "I3.positions", "I6.sequence"), _fused_holes_realign,
            functools.partial(realign_evidence, profile="holes"), realign_batch),
 )
 
@@ -1358,8 +1381,11 @@ GROUPS = (
     Group("I1.shapes", "I1", I1_RULES, None, host_ok=_i1_ok),
     Group("I2.contiguous", "I2", (R_N_RANGE, R_CONTIGUOUS, R_MINIMAL),
           ("profile", "valid", "lengths"), lambda v: v.profile == "contiguous", _fused_contiguous),
-    Group("I2.holes", "I2", (R_N_RANGE, R_HOLES_COUNT, R_HOLES_PENDING),
-          ("profile", "valid", "lengths", "finished"), lambda v: v.profile == "holes", _fused_holes),
+    Group("I2.holes", "I2", (R_N_RANGE, R_HOLES_COUNT), ("profile", "valid", "lengths"),
+          lambda v: v.profile == "holes", _fused_holes),
+    # its own group: a commit brings new finished flags, and only this rule reads them
+    Group("I2.holes_pending", "I2", (R_HOLES_PENDING,), ("profile", "valid", "finished"),
+          lambda v: v.profile == "holes", _fused_holes_pending),
     Group("I2.grouped", "I2", (R_N_RANGE, R_GROUPED), ("profile", "valid", "lengths"),
           lambda v: v.profile == "grouped", _fused_grouped),
     Group("I3.positions", "I3", (R_POSITIONS,), ("valid", "positions"), fused=_fused_positions),

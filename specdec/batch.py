@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from invariants.view import StepView
+from invariants.view import StepView, build_view
 
 from . import layout
 from .cache import SlabCache
@@ -121,13 +121,15 @@ class RaggedBatch:
             cache_widths = tuple(tc.layer_widths())
             cache_batch_sizes = tuple([tc.batch_size] * len(tc.layers))
             cache_tensors = tc.layer_tensors
-        rows = {name: getattr(self, name) for name in ROW_FIELDS if name not in extra}
-        return StepView(
+        fields = {name: getattr(self, name) for name in ROW_FIELDS}
+        fields.update(
             step=step, phase=phase, profile=profile, k=k, stop_token_ids=stop_token_ids,
             cache_widths=cache_widths, cache_batch_sizes=cache_batch_sizes,
             draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
             draft_cache_lag=draft_cache_lag, model=model, cache_tensors=cache_tensors,
-            info=dict(info or {}), **rows, **extra)
+            info=dict(info or {}))
+        fields.update(extra)  # a row field given here replaces the batch's own
+        return build_view(fields)  # StepView(**fields), without its per-field setattr
 
     def stores(self) -> tuple:
         """(name, tensor) of the cache storage a view exposes through ``cache_tensors``

@@ -399,6 +399,7 @@ def raise_bad_drafts(proposed: torch.Tensor, bad: torch.Tensor, row_ids: torch.T
 VIEW_TENSORS = ("tokens", "valid", "positions", "lengths", "prompt_lengths", "budgets",
                 "generated", "finished", "row_ids", "output", "drafts", "draft_limit",
                 "predictions", "accepted", "committed", "generated_before")
+_view_tensors = operator.attrgetter(*VIEW_TENSORS)
 
 
 class HookWatch:
@@ -410,7 +411,7 @@ class HookWatch:
     __slots__ = ("view", "stores", "tensors", "versions")
 
     def __init__(self, view, stores=()):
-        tensors = [t for n in VIEW_TENSORS if (t := getattr(view, n)) is not None]
+        tensors = [t for t in _view_tensors(view) if t is not None]
         fwd = view.forward
         if fwd is not None:
             tensors += (fwd.input_ids, fwd.positions, fwd.attention_mask)
