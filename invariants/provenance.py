@@ -89,36 +89,41 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t if as_int is None else t.view(as_int)
 
 
-def weights(h: int, d: int, salt: int, device) -> torch.Tensor:
-    """[1, h, 1, d] long: fixed pseudo-random weights in [1, 2**20), one per head and
-    head dimension, from ``salt`` (a fill kernel and integer arithmetic: no upload)."""
-    i = torch.arange(h * d, device=device, dtype=torch.long)
-    w = (i * 2654435761 + salt * 40503 + 12345) % 1048573 + 1
-    return w.view(1, h, 1, d)
+def weights(h: int, d: int, device) -> torch.Tensor:
+    """[2, 1, h, 1, d] long: fixed pseudo-random weights in [1, 2**20), one per head and
+    head dimension, for K (first) and V (a fill kernel and integer arithmetic: no
+    upload)."""
+    i = torch.arange(2 * h * d, device=device, dtype=torch.long)
+    w = (i * 2654435761 + 12345) % 1048573 + 1
+    return w.view(2, 1, h, 1, d)
 
 
-def fingerprint(k: torch.Tensor, v: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor
-                ) -> torch.Tensor:
-    """[B, q] long: the fingerprint of every slot of ``k`` (layer 0's keys) and ``v`` (the
-    last layer's values), both ``[B, H, q, D]``; see the module docstring."""
-    return (bits(k) * wk).sum(dim=(1, 3)) + (bits(v) * wv).sum(dim=(1, 3))
+def fingerprint(kv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[B, q] long: the fingerprint of every slot of ``kv``, ``[2, B, H, q, D]``: layer 0's
+    keys and the last layer's values (floats, or integer views of their bits); ``w``
+    from ``weights``. See the module docstring."""
+    return (bits(kv) * w).sum(dim=(0, 2, 4))
 
 
 class Table:
     """The latest fingerprint recorded for each (request, position) of one cache.
 
-    ``ids`` [R] long: request ids, newest first; ``fp`` [R, P + 1] long: the record at
-    each position (``NONE``: none), column ``P`` a trash column scatters send unwanted
-    writes to."""
+    ``ids`` [R] long: request ids, newest first; ``fp`` [R + 2, P + 2] long: the record
+    at each position (``NONE``: none); row ``R`` and column ``P`` take the writes a
+    scatter discards, row ``R + 1`` and column ``P + 1`` stay ``NONE`` (where lookups of
+    what is not judged go)."""
 
     def __init__(self, device):
         self.ids = torch.zeros(0, dtype=torch.long, device=device)
-        self.fp = torch.full((0, 1), NONE, dtype=torch.long, device=device)
+        # two rows past the requests': writes of unknown requests land in the first,
+        # lookups of unknown requests read the second (always NONE)
+        self.fp = torch.full((2, 2), NONE, dtype=torch.long, device=device)
+        self._match = None  # (row_ids, version, ids, write rows [B], read rows [B])
 
     @property
     def width(self) -> int:
         """Positions the table holds (``P``)."""
-        return self.fp.shape[1] - 1
+        return self.fp.shape[1] - 2
 
     def admit(self, row_ids: torch.Tensor, capacity: int) -> None:
         """Start fresh records for ``row_ids`` ([B] long) and keep the newest ``capacity``
@@ -127,32 +132,49 @@ class Table:
         fresh = self.fp.new_full((ids.shape[0], self.fp.shape[1]), NONE)
         keep = P.remember_newest(ids, self.ids, capacity)
         self.ids = torch.cat([ids, self.ids]).index_select(0, keep)
-        self.fp = torch.cat([fresh, self.fp]).index_select(0, keep)
+        spare = self.fp.new_full((2, self.fp.shape[1]), NONE)
+        self.fp = torch.cat([torch.cat([fresh, self.fp[:-2]]).index_select(0, keep), spare])
 
     def grow(self, positions: int) -> None:
         """Hold at least ``positions`` positions (a host count: widths the host knows)."""
         if positions > self.width:
-            r = self.fp.shape[0]
-            more = self.fp.new_full((r, positions - self.width), NONE)
-            self.fp = torch.cat([self.fp[:, :-1], more, self.fp[:, -1:]], dim=1)
+            more = self.fp.new_full((self.fp.shape[0], positions - self.width + 16), NONE)
+            self.fp = torch.cat([self.fp[:, :-2], more, self.fp[:, -2:]], dim=1)
+
+    def rows(self, row_ids: torch.Tensor):
+        """(write rows [B, 1], read rows [B]) long: each row's request in the table
+        (``predicates.match_rows``), an unknown one sent to the discard row (writes) or
+        the NONE row (reads); reused while ``row_ids`` and the table's ids are the same
+        tensors, unmodified (engines hand the same row ids to every phase of a step)."""
+        m = self._match
+        try:
+            version = row_ids._version
+        except RuntimeError:  # inference mode: no version counter, look up every time
+            version = None
+        if m is not None and m[0] is row_ids and m[1] == version and version is not None \
+                and m[2] is self.ids:
+            return m[3], m[4]
+        idx, found = P.match_rows(row_ids.long(), self.ids)
+        r = self.ids.shape[0]
+        write, read = torch.where(found, idx, r)[:, None], torch.where(found, idx, r + 1)
+        self._match = (row_ids, version, self.ids, write, read)
+        return write, read
 
     def record(self, row_ids: torch.Tensor, fp: torch.Tensor, pos: torch.Tensor,
                written: torch.Tensor) -> None:
         """Record ``fp`` [B, q] at (``row_ids[b]``, ``pos[b, i]``) where ``written`` [B, q];
-        other entries go to the trash column."""
-        idx, found = P.match_rows(row_ids.long(), self.ids)
-        trash = self.width
-        ok = written & found[:, None] & (pos >= 0) & (pos < trash)
-        cols = torch.where(ok, pos, trash)
-        self.fp.index_put_((idx[:, None].expand_as(cols), cols), fp)
+        the other entries go to the discard column. Positions must lie below ``width``
+        (``grow``; an index past it raises)."""
+        write, _ = self.rows(row_ids)
+        cols = torch.where(written, pos, self.width)
+        self.fp.index_put_((write.expand_as(cols), cols), fp)
 
     def mismatches(self, row_ids, fp, pos, valid) -> torch.Tensor:
-        """[B, C] bool: valid slots whose fingerprint differs from a record."""
-        idx, found = P.match_rows(row_ids.long(), self.ids)
-        trash = self.width
-        inside = valid & found[:, None] & (pos >= 0) & (pos < trash)
-        got = self.fp.index_select(0, idx).gather(1, torch.where(inside, pos, trash))
-        return inside & (got != NONE) & (got != fp)
+        """[B, C] bool: valid slots whose fingerprint differs from a record (a position
+        with no record, or a request the table lacks, is not judged)."""
+        _, read = self.rows(row_ids)
+        got = self.fp.index_select(0, read).gather(1, torch.where(valid, pos, self.width + 1))
+        return (got != fp) & (got != NONE)
 
 
 def slot_layout(view: StepView, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,27 +203,29 @@ class KVProvenance:
         self.check_provenance, self.check_lag = provenance, lag
         self.tables: dict = {}  # "target" | "draft" -> Table
         self._weights: dict = {}
+        #: forwards recorded and realign views checked, per cache (host counts)
+        self.recorded = {"target": 0, "draft": 0}
+        self.checked = {"target": 0, "draft": 0}
 
-    def _sources(self, view: StepView):
-        """(name, list of (K, V) per layer) of every cache the view exposes."""
-        out = []
-        for name, get in (("target", view.cache_tensors), ("draft", view.draft_cache_tensors)):
-            if get is None:
-                continue
-            layers = get()
-            if layers:
-                out.append((name, layers))
-        return out
+    @staticmethod
+    def _ends(get, first: int = 0, last: int | None = None) -> torch.Tensor | None:
+        """``[2, B, H, q, D]``: layer 0's K and the last layer's V over slots ``first ..
+        last - 1`` of the cache ``get()`` returns (None when it has no layer). A cache may
+        give them itself (``ends(first, last)``, integer views of the bits allowed)."""
+        layers = get()
+        ends = getattr(layers, "ends", None)
+        if ends is not None:
+            return ends(first, last)
+        if not layers:
+            return None
+        return torch.stack([layers[0][0][:, :, first:last], layers[-1][1][:, :, first:last]])
 
-    def _fingerprint(self, layers, first: int, last: int | None) -> torch.Tensor:
-        k, v = layers[0][0], layers[-1][1]
-        k, v = k[:, :, first:last], v[:, :, first:last]
-        key = (k.device, k.shape[1], k.shape[3], v.shape[1], v.shape[3])
+    def _fingerprint(self, kv: torch.Tensor) -> torch.Tensor:
+        key = (kv.device, kv.shape[2], kv.shape[4])
         w = self._weights.get(key)
         if w is None:
-            w = self._weights[key] = (weights(k.shape[1], k.shape[3], 1, k.device),
-                                      weights(v.shape[1], v.shape[3], 2, v.device))
-        return fingerprint(k, v, *w)
+            w = self._weights[key] = weights(kv.shape[2], kv.shape[4], kv.device)
+        return fingerprint(kv, w)
 
     def _table(self, name: str, view: StepView) -> Table:
         t = self.tables.get(name)
@@ -220,7 +244,12 @@ class KVProvenance:
                 bad = None  # a cache of the wrong shape: I1 says why
         if not lag and bad is None:
             return None
-        masks = [] if bad is None else [torch.stack([b.any(dim=1) for _, b in bad]).any(dim=0)]
+        masks = []
+        if bad is not None:
+            rows = bad[0][1].any(dim=1)
+            for _, more in bad[1:]:
+                rows = rows | more.any(dim=1)
+            masks.append(rows)
         return Entry(masks, bool(lag), {"view": view, "provenance": bad or [],
                                         "lag": lag})
 
@@ -233,39 +262,44 @@ class KVProvenance:
 
     # -- records and checks ---------------------------------------------------------------
     def _provenance(self, view: StepView):
-        phase, w = view.phase, view.width
+        """Record what the phase's forwards wrote, or check a realign view's caches:
+        ``[(cache name, [B, C] bool mismatches)]`` or None."""
+        phase = view.phase
+        target, draft = view.cache_tensors, view.draft_cache_tensors
+        if phase == "realign":
+            bad = []
+            for name, get in (("target", target), ("draft", draft)):
+                kv = self._ends(get, 0, view.width - 1) if get is not None else None
+                if kv is None or kv.shape[3] == 0:
+                    continue
+                pos, valid = slot_layout(view, kv.shape[3])
+                bad.append((name, self._table(name, view).mismatches(
+                    view.row_ids, self._fingerprint(kv), pos, valid)))
+                self.checked[name] += 1
+            return bad or None
         if phase == "prefill":
-            for name, _ in self._sources(view):
-                self._table(name, view).admit(view.row_ids, self.capacity)
-        bad = []
-        for name, layers in self._sources(view):
-            table = self._table(name, view)
-            c = layers[0][0].shape[2]
-            if phase == "realign":
-                n = min(c, w - 1)
-                if n <= 0:
-                    continue
-                pos, valid = slot_layout(view, n)
-                fp = self._fingerprint(layers, 0, n)
-                bad.append((name, table.mismatches(view.row_ids, fp, pos, valid)))
-            elif name == "target" and phase in ("prefill", "verify") and view.forward is not None:
-                f = view.forward
-                q = f.input_ids.shape[1]
-                first = f.cache_width
-                if q == 0 or first + q > c:
-                    continue
-                pos = f.positions.long().expand(view.batch_size, q)
-                written = f.attention_mask[:, first : first + q].bool()
-                table.record(view.row_ids, self._fingerprint(layers, first, first + q), pos,
-                             written)
-            elif name == "draft" and phase in ("prefill", "draft"):
-                first = 0 if phase == "prefill" else min(c, w - 1)
-                if c <= first:
-                    continue
-                pos, valid = slot_layout(view, c)
-                table.record(view.row_ids, self._fingerprint(layers, first, c),
-                             pos[:, first:], valid[:, first:])
-        return bad or None
+            for name, get in (("target", target), ("draft", draft)):
+                if get is not None:
+                    self._table(name, view).admit(view.row_ids, self.capacity)
+        f = view.forward
+        if phase in ("prefill", "verify") and target is not None and f is not None:
+            first, q = f.cache_width, f.input_ids.shape[1]
+            kv = self._ends(target, first, first + q)
+            if kv is not None and kv.shape[3] == q > 0:
+                self._table("target", view).record(
+                    view.row_ids, self._fingerprint(kv),
+                    f.positions.expand(view.batch_size, q),
+                    f.attention_mask[:, first : first + q].bool())
+                self.recorded["target"] += 1
+        if phase in ("prefill", "draft") and draft is not None:
+            first = 0 if phase == "prefill" else view.width - 1
+            kv = self._ends(draft, first)
+            if kv is not None and kv.shape[3] > 0:
+                pos, valid = slot_layout(view, first + kv.shape[3])
+                self._table("draft", view).record(
+                    view.row_ids, self._fingerprint(kv), pos[:, first:], valid[:, first:])
+                self.recorded["draft"] += 1
+        return None
 
 
 def describe(entry: Entry, rows: list, limit: int = 4):

@@ -28,6 +28,7 @@ Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` al
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 import transformers
@@ -82,6 +83,7 @@ class _Slab:
         self.spare: torch.Tensor | None = None
         self.rows = 0
         self.width = 0
+        self._bits: dict = {}  # id(buffer) -> (buffer, its integer view, rows read)
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -108,6 +110,20 @@ class _Slab:
         if self.spare is None or self.spare.shape != self.store.shape:
             self.spare = torch.empty_like(self.store)
         return self.spare[:, :, :rows]
+
+    def bits_flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``store`` as ``[2 L, R, H, capacity, D]`` integers of its own width, [2] long:
+        the rows of layer 0's K and of the last layer's V in it), made once per buffer
+        (the store and the spare alternate)."""
+        st = self.store
+        hit = self._bits.get(id(st))
+        if hit is None or hit[0] is not st:
+            as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[st.element_size()]
+            pick = torch.arange(2, device=st.device) * (2 * self.num_layers - 1)
+            if len(self._bits) >= 2:
+                self._bits.clear()
+            hit = self._bits[id(st)] = (st, st.view(as_int).flatten(0, 1), pick)
+        return hit[1], hit[2]
 
     def swap(self, rows: int, width: int) -> None:
         """The spare now holds the content: make it the store."""
@@ -199,6 +215,34 @@ class SlabLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SlabCache is realigned with gather_slots, never cropped")
+
+
+class LayerTensors(Sequence):
+    """The (K, V) views of a cache's layers, each made only when indexed; ``ends`` gives
+    what KV provenance reads (``invariants/provenance.py``) in a few ops."""
+
+    __slots__ = ("layers", "slab")
+
+    def __init__(self, layers, slab: "_Slab"):
+        self.layers, self.slab = layers, slab
+
+    def ends(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """``[2, B, H, q, D]``: layer 0's K and the last layer's V at slots ``first ..
+        last - 1`` of the filled width (``last`` None: to the width), as integer views
+        of their bits (one ``index_select`` of the slab, viewed as ``[2 L, ...]``)."""
+        slab = self.slab
+        end = slab.width if last is None else min(last, slab.width)
+        flat, pick = slab.bits_flat()
+        return flat[:, : slab.rows, :, first:end].index_select(0, pick)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.layers)))]
+        layer = self.layers[i]
+        return layer.keys, layer.values
 
 
 class SlabCache(Cache):
@@ -295,9 +339,10 @@ class SlabCache(Cache):
         """Width of every layer as transformers sees it (for I1)."""
         return [layer.get_seq_length() for layer in self.layers]
 
-    def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(K, V) of every layer, each ``[B, H, C, D]`` (views; for deep checks)."""
-        return [(layer.keys, layer.values) for layer in self.layers]
+    def layer_tensors(self) -> "LayerTensors":
+        """(K, V) of every layer, each ``[B, H, C, D]`` (views, made when indexed: KV
+        provenance reads two layers per phase, deep checks every one)."""
+        return LayerTensors(self.layers, self.slab)
 
     @property
     def batch_size(self) -> int:
