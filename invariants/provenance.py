@@ -7,15 +7,14 @@ reductions over two layers per phase, and sees the faults that keep every width 
 while moving the wrong K/V: a gather shifted by one slot, a row drop that copies in the
 wrong direction, a pool written back one slot off, a crop that keeps the wrong slots.
 
-The fingerprint of a cache slot (``fingerprint``): the bit patterns of layer 0's K vector
-and of the last layer's V vector at that slot, read as integers (``float32`` as
-``int32``, ``bfloat16`` and ``float16`` as ``int16``), multiplied by fixed weights (one
-per head and head dimension, below ``2**20``, made on the device by a fill kernel and
-integer arithmetic) and summed over heads and head dimensions in ``int64``. Integer sums
-are exact in any order, so the fingerprint of a slot depends only on its bits: a copy
-(which moves bits, ``cache.as_wide_elements``) keeps it in every dtype, and it is
+The fingerprint of a cache slot (``fingerprint``): the bit patterns of layer 0's K
+vector and of the last layer's V vector at that slot, read as 64-bit integers
+(``words``), summed over heads and head dimensions in ``int64``. Integer sums (modulo
+``2**64``) are exact in any order, so the fingerprint of a slot depends only on its bits:
+a copy (which moves bits, ``cache.as_wide_elements``) keeps it in every dtype, and it is
 compared exactly. Layer 0's K tells the token and position, the last layer's V the
-context before it.
+context before it; a slot moved from elsewhere (another slot, row or position) has other
+bits, and two different vectors share a sum with probability about ``2**-64``.
 
 The rule, per cache (the target's and, for a drafter that keeps one, the drafter's):
 
@@ -26,22 +25,26 @@ The rule, per cache (the target's and, for a drafter that keeps one, the drafter
   pending token and every draft, at positions ``n - 1 + i``). A table keyed by request
   id (``row_ids``) and position keeps the latest record of each (the newest
   ``capacity`` requests, like the monitor's other per-request state);
-- checked at every ``realign`` view (after realignment, row drops, compaction, or
-  EXSPEC's load from its pool): each valid slot ``j < W - 1`` holding position
+- checked when the next forward's view shows the cache again (the target's at the
+  verify view, a drafter's at the draft view: the cache as every realignment, row drop,
+  compaction or EXSPEC pool load since the last forward left it, before the forward's
+  own slots, which are then recorded): each valid slot ``j < W - 1`` holding position
   ``positions[b, j]`` must carry the fingerprint recorded for (``row_ids[b]``, that
   position). A position with no record (a view that never showed its forward) is not
-  checked.
+  checked. Every realignment is followed by a forward (a row that stays is verified
+  again), so one fingerprint per cache and step records and checks at once.
 
-The drafter's cache lag is verified, not trusted (``lag_rule``): one realignment plan
+The drafter's cache lag is verified, not trusted (``LAG_RULE``, ``I1.draft_cache_lag``): one realignment plan
 serves both caches, so at the prefill, verify, commit and realign views the drafter's
 cache must cover exactly the target cache's slots (equal widths: its declared
 ``draft_cache_lag`` is then the target's, ``k + 1`` at verify and commit, 0 at prefill
 and realign); its positions and contents are then held to the records above.
 
 Cost: no host read, upload or data-dependent shape (the table grows to widths the host
-knows); per realign view one fingerprint of ``W - 1`` slots per cache, a gather and a
-compare; per verify (and draft) view one fingerprint of the ``k + 1`` new slots and one
-scatter. What it cannot see: a slot a forward claims to have written but did not (its
+knows); per forward view one fingerprint of the cache's ``W + k`` slots (two copies'
+worth of work: a stack and a sum), a lookup and compare of the old slots, and a scatter
+of the new ones: 23 aten ops at a target's verify view, nothing at the other phases.
+What it cannot see: a slot a forward claims to have written but did not (its
 stale contents are recorded as written); the drafter-equals-target property
 (tests/test_self_draft.py) covers that.
 """
@@ -66,9 +69,9 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16:
 RULE = Rule(
     "I5.provenance", "I5",
     "every valid slot of the {cache} cache holding position p carries the KV fingerprint "
-    "recorded when a forward wrote (its request, p): sum over heads and head dims of "
-    "bits(K of layer 0) * w_K + bits(V of the last layer) * w_V in int64, fixed weights; "
-    "compared exactly (realignment, row drops and pool copies only copy)",
+    "recorded when a forward wrote (its request, p): the int64 sum of the bits of layer "
+    "0's K and the last layer's V at the slot, read as 64-bit words over heads and head "
+    "dims; compared exactly (realignment, row drops and pool copies only copy)",
     ("cache_tensors", "draft_cache_tensors", "positions", "valid", "row_ids"),
     columns="slots")
 
@@ -83,26 +86,25 @@ LAG_RULE = Rule(
 LAG_PHASES = ("prefill", "verify", "commit", "realign")
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its own width (no copy); integer tensors as they are."""
-    as_int = _BITS.get(t.dtype)
-    return t if as_int is None else t.view(as_int)
+def words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``t`` ``[..., D]`` viewed as integers of its last dimension's bytes:
+    64-bit words where ``D`` times the element size allows, else integers of the element's
+    own width (no copy)."""
+    size = t.shape[-1] * t.element_size()
+    for as_int, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if size % width == 0 and t.element_size() <= width:
+            return t.view(as_int)
+    return t.view(torch.uint8)
 
 
-def weights(h: int, d: int, device) -> torch.Tensor:
-    """[2, 1, h, 1, d] long: fixed pseudo-random weights in [1, 2**20), one per head and
-    head dimension, for K (first) and V (a fill kernel and integer arithmetic: no
-    upload)."""
-    i = torch.arange(2 * h * d, device=device, dtype=torch.long)
-    w = (i * 2654435761 + 12345) % 1048573 + 1
-    return w.view(2, 1, h, 1, d)
-
-
-def fingerprint(kv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[B, q] long: the fingerprint of every slot of ``kv``, ``[2, B, H, q, D]``: layer 0's
-    keys and the last layer's values (floats, or integer views of their bits); ``w``
-    from ``weights``. See the module docstring."""
-    return (bits(kv) * w).sum(dim=(0, 2, 4))
+def fingerprint(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[B, q] long: the fingerprint of every slot of ``k`` (layer 0's keys) and ``v`` (the
+    last layer's values), both slot-major ``[B, q, H, D]``: the sum, over heads and head
+    dims, of their bits read as integers (``words``), in int64. Integer sums wrap modulo
+    2**64, which is exact and independent of the order of the additions. One copy (the
+    two side by side, so the sum runs over contiguous memory) and one sum."""
+    b, q = k.shape[0], k.shape[1]
+    return words(torch.stack([k, v], dim=2)).view(b, q, -1).sum(dim=-1, dtype=torch.int64)
 
 
 class Table:
@@ -119,6 +121,7 @@ class Table:
         # lookups of unknown requests read the second (always NONE)
         self.fp = torch.full((2, 2), NONE, dtype=torch.long, device=device)
         self._match = None  # (row_ids, version, ids, write rows [B], read rows [B])
+        self._cols = None  # (width, discard column, NONE column)
 
     @property
     def width(self) -> int:
@@ -160,20 +163,29 @@ class Table:
         self._match = (row_ids, version, self.ids, write, read)
         return write, read
 
+    def _columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-dim long tensors: the discard column and the NONE column (made at ``grow``)."""
+        c = self._cols
+        if c is None or c[0] != self.width:
+            dev = self.fp.device
+            c = self._cols = (self.width, torch.full((), self.width, dtype=torch.long, device=dev),
+                              torch.full((), self.width + 1, dtype=torch.long, device=dev))
+        return c[1], c[2]
+
     def record(self, row_ids: torch.Tensor, fp: torch.Tensor, pos: torch.Tensor,
                written: torch.Tensor) -> None:
         """Record ``fp`` [B, q] at (``row_ids[b]``, ``pos[b, i]``) where ``written`` [B, q];
         the other entries go to the discard column. Positions must lie below ``width``
         (``grow``; an index past it raises)."""
         write, _ = self.rows(row_ids)
-        cols = torch.where(written, pos, self.width)
+        cols = torch.where(written, pos, self._columns()[0])
         self.fp.index_put_((write.expand_as(cols), cols), fp)
 
     def mismatches(self, row_ids, fp, pos, valid) -> torch.Tensor:
         """[B, C] bool: valid slots whose fingerprint differs from a record (a position
         with no record, or a request the table lacks, is not judged)."""
         _, read = self.rows(row_ids)
-        got = self.fp.index_select(0, read).gather(1, torch.where(valid, pos, self.width + 1))
+        got = self.fp.index_select(0, read).gather(1, torch.where(valid, pos, self._columns()[1]))
         return (got != fp) & (got != NONE)
 
 
@@ -202,30 +214,23 @@ class KVProvenance:
         self.capacity = capacity
         self.check_provenance, self.check_lag = provenance, lag
         self.tables: dict = {}  # "target" | "draft" -> Table
-        self._weights: dict = {}
         #: forwards recorded and realign views checked, per cache (host counts)
         self.recorded = {"target": 0, "draft": 0}
         self.checked = {"target": 0, "draft": 0}
 
     @staticmethod
-    def _ends(get, first: int = 0, last: int | None = None) -> torch.Tensor | None:
-        """``[2, B, H, q, D]``: layer 0's K and the last layer's V over slots ``first ..
-        last - 1`` of the cache ``get()`` returns (None when it has no layer). A cache may
-        give them itself (``ends(first, last)``, integer views of the bits allowed)."""
+    def _ends(get, first: int = 0, last: int | None = None):
+        """(K of layer 0, V of the last layer), each slot-major ``[B, q, H, D]``, over slots
+        ``first .. last - 1`` of the cache ``get()`` returns (None when it has no layer).
+        A cache may give them itself (``ends(first, last)``), in fewer view ops."""
         layers = get()
         ends = getattr(layers, "ends", None)
         if ends is not None:
             return ends(first, last)
         if not layers:
             return None
-        return torch.stack([layers[0][0][:, :, first:last], layers[-1][1][:, :, first:last]])
-
-    def _fingerprint(self, kv: torch.Tensor) -> torch.Tensor:
-        key = (kv.device, kv.shape[2], kv.shape[4])
-        w = self._weights.get(key)
-        if w is None:
-            w = self._weights[key] = weights(kv.shape[2], kv.shape[4], kv.device)
-        return fingerprint(kv, w)
+        return (layers[0][0][:, :, first:last].transpose(1, 2),
+                layers[-1][1][:, :, first:last].transpose(1, 2))
 
     def _table(self, name: str, view: StepView) -> Table:
         t = self.tables.get(name)
@@ -262,21 +267,11 @@ class KVProvenance:
 
     # -- records and checks ---------------------------------------------------------------
     def _provenance(self, view: StepView):
-        """Record what the phase's forwards wrote, or check a realign view's caches:
+        """Check the slots a phase's forward found in a cache, then record what it wrote:
         ``[(cache name, [B, C] bool mismatches)]`` or None."""
         phase = view.phase
         target, draft = view.cache_tensors, view.draft_cache_tensors
-        if phase == "realign":
-            bad = []
-            for name, get in (("target", target), ("draft", draft)):
-                kv = self._ends(get, 0, view.width - 1) if get is not None else None
-                if kv is None or kv.shape[3] == 0:
-                    continue
-                pos, valid = slot_layout(view, kv.shape[3])
-                bad.append((name, self._table(name, view).mismatches(
-                    view.row_ids, self._fingerprint(kv), pos, valid)))
-                self.checked[name] += 1
-            return bad or None
+        bad = []
         if phase == "prefill":
             for name, get in (("target", target), ("draft", draft)):
                 if get is not None:
@@ -284,22 +279,36 @@ class KVProvenance:
         f = view.forward
         if phase in ("prefill", "verify") and target is not None and f is not None:
             first, q = f.cache_width, f.input_ids.shape[1]
-            kv = self._ends(target, first, first + q)
-            if kv is not None and kv.shape[3] == q > 0:
-                self._table("target", view).record(
-                    view.row_ids, self._fingerprint(kv),
-                    f.positions.expand(view.batch_size, q),
-                    f.attention_mask[:, first : first + q].bool())
+            kv = self._ends(target, 0, first + q)
+            if kv is not None and kv[0].shape[1] == first + q and q > 0:
+                table = self._table("target", view)
+                fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
+                if first:
+                    bad.append(("target", self._check(table, view, fp[:, :first])))
+                table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
+                             f.attention_mask[:, first:].bool())
                 self.recorded["target"] += 1
         if phase in ("prefill", "draft") and draft is not None:
             first = 0 if phase == "prefill" else view.width - 1
-            kv = self._ends(draft, first)
-            if kv is not None and kv.shape[3] > 0:
-                pos, valid = slot_layout(view, first + kv.shape[3])
-                self._table("draft", view).record(
-                    view.row_ids, self._fingerprint(kv), pos[:, first:], valid[:, first:])
+            kv = self._ends(draft, 0)
+            c = kv[0].shape[1] if kv is not None else 0
+            if c > first:
+                table = self._table("draft", view)
+                fp = fingerprint(*kv)
+                if first:
+                    bad.append(("draft", self._check(table, view, fp[:, :first])))
+                pos, valid = slot_layout(view, c)
+                table.record(view.row_ids, fp[:, first:], pos[:, first:], valid[:, first:])
                 self.recorded["draft"] += 1
-        return None
+        return bad or None
+
+    def _check(self, table: Table, view: StepView, fp: torch.Tensor) -> torch.Tensor:
+        """[B, C] bool: the slots of ``fp`` (a cache's first ``C <= W - 1`` slots, as the
+        last realignment left them) whose fingerprint differs from the record of the
+        position the view says they hold."""
+        pos, valid = slot_layout(view, fp.shape[1])
+        self.checked[table is self.tables.get("draft") and "draft" or "target"] += 1
+        return table.mismatches(view.row_ids, fp, pos, valid)
 
 
 def describe(entry: Entry, rows: list, limit: int = 4):

@@ -83,7 +83,7 @@ class _Slab:
         self.spare: torch.Tensor | None = None
         self.rows = 0
         self.width = 0
-        self._bits: dict = {}  # id(buffer) -> (buffer, its integer view, rows read)
+        self._ends: dict = {}  # id(buffer) -> (buffer, its slot-major K0 and V_last views)
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -97,6 +97,7 @@ class _Slab:
         self.store = like.new_zeros((self.num_layers, 2, rows, h, self.capacity, d))
         self.spare = None
         self.rows = rows
+        self._ends.clear()  # views of the old buffers must not keep them alive
 
     def fits(self, like: torch.Tensor, rows: int) -> bool:
         """True when ``rows`` rows of states like ``like`` fit in the current store."""
@@ -111,18 +112,15 @@ class _Slab:
             self.spare = torch.empty_like(self.store)
         return self.spare[:, :, :rows]
 
-    def bits_flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``store`` as ``[2 L, R, H, capacity, D]`` integers of its own width, [2] long:
-        the rows of layer 0's K and of the last layer's V in it), made once per buffer
-        (the store and the spare alternate)."""
+    def slot_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K of layer 0, V of the last layer) of the whole store, each ``[R, capacity, H,
+        D]`` (views), made once per buffer (the store and the spare alternate)."""
         st = self.store
-        hit = self._bits.get(id(st))
+        hit = self._ends.get(id(st))
         if hit is None or hit[0] is not st:
-            as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[st.element_size()]
-            pick = torch.arange(2, device=st.device) * (2 * self.num_layers - 1)
-            if len(self._bits) >= 2:
-                self._bits.clear()
-            hit = self._bits[id(st)] = (st, st.view(as_int).flatten(0, 1), pick)
+            if len(self._ends) >= 2:
+                self._ends.clear()
+            hit = self._ends[id(st)] = (st, st[0, 0].transpose(1, 2), st[-1, 1].transpose(1, 2))
         return hit[1], hit[2]
 
     def swap(self, rows: int, width: int) -> None:
@@ -219,21 +217,22 @@ class SlabLayer(DynamicLayer):
 
 class LayerTensors(Sequence):
     """The (K, V) views of a cache's layers, each made only when indexed; ``ends`` gives
-    what KV provenance reads (``invariants/provenance.py``) in a few ops."""
+    what KV provenance reads (``invariants/provenance.py``) in six view ops."""
 
     __slots__ = ("layers", "slab")
 
     def __init__(self, layers, slab: "_Slab"):
         self.layers, self.slab = layers, slab
 
-    def ends(self, first: int = 0, last: int | None = None) -> torch.Tensor:
-        """``[2, B, H, q, D]``: layer 0's K and the last layer's V at slots ``first ..
-        last - 1`` of the filled width (``last`` None: to the width), as integer views
-        of their bits (one ``index_select`` of the slab, viewed as ``[2 L, ...]``)."""
+    def ends(self, first: int = 0, last: int | None = None):
+        """(K of layer 0, V of the last layer), each ``[B, q, H, D]`` (slot-major views):
+        slots ``first .. last - 1`` of the filled width (``last`` None: to the width);
+        two slicing ops each."""
         slab = self.slab
         end = slab.width if last is None else min(last, slab.width)
-        flat, pick = slab.bits_flat()
-        return flat[:, : slab.rows, :, first:end].index_select(0, pick)
+        k, v = slab.slot_major()
+        b = slab.rows
+        return k[:b, first:end], v[:b, first:end]
 
     def __len__(self) -> int:
         return len(self.layers)
