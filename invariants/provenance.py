@@ -34,9 +34,9 @@ The rule, per cache (the target's and, for a drafter that keeps one, the drafter
   checked. Every realignment is followed by a forward (a row that stays is verified
   again), so one fingerprint per cache and step records and checks at once.
 
-The drafter's cache lag is verified, not trusted (``LAG_RULE``, ``I1.draft_cache_lag``): one realignment plan
-serves both caches, so at the prefill, verify, commit and realign views the drafter's
-cache must cover exactly the target cache's slots (equal widths: its declared
+The drafter's cache lag is verified, not trusted (``LAG_RULE``, ``I1.draft_cache_lag``):
+one realignment plan serves both caches, so at the prefill, verify, commit and realign
+views the drafter's cache must cover exactly the target cache's slots (equal widths: its declared
 ``draft_cache_lag`` is then the target's, ``k + 1`` at verify and commit, 0 at prefill
 and realign); its positions and contents are then held to the records above.
 
@@ -60,10 +60,6 @@ from .view import StepView
 
 #: "no record" in a table (a real fingerprint equals it with probability about 2**-64)
 NONE = torch.iinfo(torch.int64).min
-
-#: integer views of each float dtype's bits
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-         torch.float64: torch.int64}
 
 #: the rule as a trace states it; ``{cache}`` is "target" or "draft"
 RULE = Rule(
@@ -214,7 +210,7 @@ class KVProvenance:
         self.capacity = capacity
         self.check_provenance, self.check_lag = provenance, lag
         self.tables: dict = {}  # "target" | "draft" -> Table
-        #: forwards recorded and realign views checked, per cache (host counts)
+        #: forwards recorded, and views whose old slots were checked, per cache (host counts)
         self.recorded = {"target": 0, "draft": 0}
         self.checked = {"target": 0, "draft": 0}
 
@@ -284,7 +280,7 @@ class KVProvenance:
                 table = self._table("target", view)
                 fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
                 if first:
-                    bad.append(("target", self._check(table, view, fp[:, :first])))
+                    bad.append(("target", self._check("target", table, view, fp[:, :first])))
                 table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
                              f.attention_mask[:, first:].bool())
                 self.recorded["target"] += 1
@@ -296,18 +292,18 @@ class KVProvenance:
                 table = self._table("draft", view)
                 fp = fingerprint(*kv)
                 if first:
-                    bad.append(("draft", self._check(table, view, fp[:, :first])))
+                    bad.append(("draft", self._check("draft", table, view, fp[:, :first])))
                 pos, valid = slot_layout(view, c)
                 table.record(view.row_ids, fp[:, first:], pos[:, first:], valid[:, first:])
                 self.recorded["draft"] += 1
         return bad or None
 
-    def _check(self, table: Table, view: StepView, fp: torch.Tensor) -> torch.Tensor:
+    def _check(self, name: str, table: Table, view: StepView, fp: torch.Tensor) -> torch.Tensor:
         """[B, C] bool: the slots of ``fp`` (a cache's first ``C <= W - 1`` slots, as the
         last realignment left them) whose fingerprint differs from the record of the
         position the view says they hold."""
         pos, valid = slot_layout(view, fp.shape[1])
-        self.checked[table is self.tables.get("draft") and "draft" or "target"] += 1
+        self.checked[name] += 1
         return table.mismatches(view.row_ids, fp, pos, valid)
 
 

@@ -23,8 +23,9 @@ bookkeeping, ...), applied the same way to one function of another ``specdec`` m
 each. The KV faults (``cache_gather_shifted``, ``row_drop_reversed``, ``exspec_pool_late``,
 ``exspec_draft_pool_late``, ``draft_cache_lag_off_by_one``) keep every width, mask and
 position right and move the wrong K/V: KV provenance (``invariants/provenance.py``)
-catches them in fast and strict mode. A module that imported the function by name (``from ..phases import sync``) is
-patched too: every loaded ``specdec`` module whose attribute of that name is the original.
+catches them in fast and strict mode. A module that imported the function by name
+(``from ..phases import sync``) is patched too: every loaded ``specdec`` module whose
+attribute of that name is the original.
 """
 
 from __future__ import annotations
