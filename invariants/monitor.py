@@ -93,6 +93,7 @@ from collections import Counter
 import torch
 
 from . import predicates as P
+from . import provenance as PV
 from . import rules as R
 from .checker import Checker, Entry
 from .coverage import Coverage
@@ -273,6 +274,10 @@ class Monitor(Checker):
         # key, evidence) (``_settle``); and the last view's snapshot, for ``_advance``
         self._deferred: list = []
         self._snapshot = None
+        # I5 provenance and the draft cache's lag (invariants/provenance.py)
+        self._kv = PV.KVProvenance(self.remember_rows, provenance="I5" in self.invariants,
+                                   lag="I1" in self.invariants) \
+            if "I5" in self.invariants or "I1" in self.invariants else None
 
     @property
     def accepted_history(self) -> list[dict]:
@@ -297,6 +302,11 @@ class Monitor(Checker):
         entry = self._cheap(view)
         if entry is not None:
             self._pending.append(entry)
+        if self._kv is not None:  # KV provenance, draft cache lag: device ops, no read
+            kv = self._kv(view)
+            if kv is not None:
+                kv.context["history_len"] = len(self._history)
+                self._pending.append(kv)
         if len(self._deferred) >= MAX_WAITING:
             self._settle()
         if self.mode != "fast" and self._pending and (self.read_every == "phase"
@@ -588,6 +598,13 @@ class Monitor(Checker):
         of its first failing invariant (host side: runs only on a failure)."""
         ctx = entry.context
         view = ctx["view"]
+        if "provenance" in ctx:  # invariants/provenance.py
+            found = PV.describe(entry, rows)
+            if found is not None:
+                inv, bad, slots, texts = found
+                self._emit(self._build(view, inv, bad, slots, texts, rule=PV.RULE,
+                                       history_len=ctx["history_len"]))
+            return
         facts = R.Facts(view, stops=ctx["stops"], prev=ctx["prev"], prompts=ctx["prompts"],
                         consts=self._consts)
         failing = []  # (invariant, Rule | None, sentence, host rows)

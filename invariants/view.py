@@ -101,6 +101,9 @@ class StepView:
     model: Any = None
     # () -> list of (K, V), each [B, H, C, D]: the target cache's tensors per layer
     cache_tensors: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # () -> list of (K, V), each [B, H, C', D]: the drafter's cache per layer (None: the
+    # drafter keeps none); KV provenance (invariants/provenance.py) checks it like the target's
+    draft_cache_tensors: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
     # free-form engine facts shown in traces (strategy name, batch index, ...)
     info: dict = field(default_factory=dict)
     # how the engine chooses tokens; None: greedy (argmax). Otherwise an object with

@@ -127,6 +127,7 @@ class RaggedBatch:
             cache_widths=cache_widths, cache_batch_sizes=cache_batch_sizes,
             draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
             draft_cache_lag=draft_cache_lag, model=model, cache_tensors=cache_tensors,
+            draft_cache_tensors=dc.layer_tensors if dc is not None else None,
             info=dict(info or {}))
         fields.update(extra)  # a row field given here replaces the batch's own
         return build_view(fields)  # StepView(**fields), without its per-field setattr

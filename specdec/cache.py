@@ -28,6 +28,7 @@ Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` al
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 import transformers
@@ -82,6 +83,7 @@ class _Slab:
         self.spare: torch.Tensor | None = None
         self.rows = 0
         self.width = 0
+        self._ends: dict = {}  # id(buffer) -> (buffer, its slot-major K0 and V_last views)
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -95,6 +97,7 @@ class _Slab:
         self.store = like.new_zeros((self.num_layers, 2, rows, h, self.capacity, d))
         self.spare = None
         self.rows = rows
+        self._ends.clear()  # views of the old buffers must not keep them alive
 
     def fits(self, like: torch.Tensor, rows: int) -> bool:
         """True when ``rows`` rows of states like ``like`` fit in the current store."""
@@ -108,6 +111,17 @@ class _Slab:
         if self.spare is None or self.spare.shape != self.store.shape:
             self.spare = torch.empty_like(self.store)
         return self.spare[:, :, :rows]
+
+    def slot_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K of layer 0, V of the last layer) of the whole store, each ``[R, capacity, H,
+        D]`` (views), made once per buffer (the store and the spare alternate)."""
+        st = self.store
+        hit = self._ends.get(id(st))
+        if hit is None or hit[0] is not st:
+            if len(self._ends) >= 2:
+                self._ends.clear()
+            hit = self._ends[id(st)] = (st, st[0, 0].transpose(1, 2), st[-1, 1].transpose(1, 2))
+        return hit[1], hit[2]
 
     def swap(self, rows: int, width: int) -> None:
         """The spare now holds the content: make it the store."""
@@ -199,6 +213,35 @@ class SlabLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SlabCache is realigned with gather_slots, never cropped")
+
+
+class LayerTensors(Sequence):
+    """The (K, V) views of a cache's layers, each made only when indexed; ``ends`` gives
+    what KV provenance reads (``invariants/provenance.py``) in six view ops."""
+
+    __slots__ = ("layers", "slab")
+
+    def __init__(self, layers, slab: "_Slab"):
+        self.layers, self.slab = layers, slab
+
+    def ends(self, first: int = 0, last: int | None = None):
+        """(K of layer 0, V of the last layer), each ``[B, q, H, D]`` (slot-major views):
+        slots ``first .. last - 1`` of the filled width (``last`` None: to the width);
+        two slicing ops each."""
+        slab = self.slab
+        end = slab.width if last is None else min(last, slab.width)
+        k, v = slab.slot_major()
+        b = slab.rows
+        return k[:b, first:end], v[:b, first:end]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.layers)))]
+        layer = self.layers[i]
+        return layer.keys, layer.values
 
 
 class SlabCache(Cache):
@@ -295,9 +338,10 @@ class SlabCache(Cache):
         """Width of every layer as transformers sees it (for I1)."""
         return [layer.get_seq_length() for layer in self.layers]
 
-    def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(K, V) of every layer, each ``[B, H, C, D]`` (views; for deep checks)."""
-        return [(layer.keys, layer.values) for layer in self.layers]
+    def layer_tensors(self) -> "LayerTensors":
+        """(K, V) of every layer, each ``[B, H, C, D]`` (views, made when indexed: KV
+        provenance reads two layers per phase, deep checks every one)."""
+        return LayerTensors(self.layers, self.slab)
 
     @property
     def batch_size(self) -> int:

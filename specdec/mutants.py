@@ -20,8 +20,12 @@ point of difference from the real layout.
 bookkeeping, ...), applied the same way to one function of another ``specdec`` module
 (``Mutant.module``). No proof obligation covers them (``NAMES``, ``names`` and
 ``proved_in`` list the index-math mutants only); ``Mutant.caught_by`` names what catches
-each. A module that imported the function by name (``from ..phases import sync``) is
-patched too: every loaded ``specdec`` module whose attribute of that name is the original.
+each. The KV faults (``cache_gather_shifted``, ``row_drop_reversed``, ``exspec_pool_late``,
+``exspec_draft_pool_late``, ``draft_cache_lag_off_by_one``) keep every width, mask and
+position right and move the wrong K/V: KV provenance (``invariants/provenance.py``)
+catches them in fast and strict mode. A module that imported the function by name
+(``from ..phases import sync``) is patched too: every loaded ``specdec`` module whose
+attribute of that name is the original.
 """
 
 from __future__ import annotations
@@ -183,20 +187,64 @@ def _accepted_from_committed(orig):
     return sync
 
 
-def _draft_pool_one_slot_late(orig):
-    def write_back(ctx, state, pool, rows, batch, spec, host):
-        draft = pool.draft_kv
+def _pool_written_late(store: str):
+    """A mutant of EXSPEC's ``write_back``: pool ``store`` ("kv", the target's; "draft_kv",
+    the draft model's) receives the step's new KV one slot after its position."""
+    def make(orig):
+        def write_back(ctx, state, pool, rows, batch, spec, host):
+            kv = getattr(pool, store)
+            if kv is None:
+                return orig(ctx, state, pool, rows, batch, spec, host)
+            real = kv.write_back
+            kv.write_back = lambda r, cache, first, dest: real(r, cache, first, dest + 1)
+            try:
+                return orig(ctx, state, pool, rows, batch, spec, host)
+            finally:
+                del kv.write_back
+        return write_back
+    return make
+
+
+#: the draft model's new KV lands one pool slot after its position (the target's pool is
+#: right): the next steps' drafts attend a shifted cache
+_draft_pool_one_slot_late = _pool_written_late("draft_kv")
+#: the target's new KV lands one pool slot after its position
+_pool_one_slot_late = _pool_written_late("kv")
+
+
+def _gather_one_slot_right(orig):
+    def _gather(kv, src, out):
+        # every cache gather reads the slot one to the right of its plan (the last slot
+        # reads itself): tokens, valid and positions stay right, the K/V do not
+        return orig(kv, (src + 1).clamp(max=kv.shape[4] - 1), out)
+    return _gather
+
+
+def _drop_copies_backwards(orig):
+    def rows_leaving(finished, finished_host):
+        plan = orig(finished, finished_host)
+        if plan is None:
+            return None
+        # the caches copy the finished rows onto the staying ones instead of the reverse
+        # (the row tensors follow ``order``, which stays right)
+        return type(plan)(plan.order, plan.moved_from, plan.moved_to)
+    return rows_leaving
+
+
+def _draft_realigned_one_slot_off(orig):
+    def realign(batch, predictions, committed, leaving, new_width, k, identity=False):
+        draft = batch.draft_cache
         if draft is None:
-            return orig(ctx, state, pool, rows, batch, spec, host)
-        real = draft.write_back
-        # the draft model's new KV lands one pool slot after its position (the target's
-        # pool is right): the next steps' drafts attend a shifted cache
-        draft.write_back = lambda r, cache, first, dest: real(r, cache, first, dest + 1)
+            return orig(batch, predictions, committed, leaving, new_width, k, identity)
+        real = draft.gather_slots
+        # the drafter's cache is gathered as if it lagged the target's by one more slot:
+        # every source slot one to the left (widths stay right)
+        draft.gather_slots = lambda src: real((src - 1).clamp(min=0))
         try:
-            return orig(ctx, state, pool, rows, batch, spec, host)
+            return orig(batch, predictions, committed, leaving, new_width, k, identity)
         finally:
-            del draft.write_back
-    return write_back
+            del draft.gather_slots
+    return realign
 
 
 FAULTS: dict[str, Mutant] = {m.name: m for m in (
@@ -212,10 +260,34 @@ FAULTS: dict[str, Mutant] = {m.name: m for m in (
                      "benchmarks/throughput.py refuses to print its figures"),
     Mutant("exspec_draft_pool_late", "write_back",
            "EXSPEC writes the draft model's new KV back into its pool one slot late",
-           _draft_pool_one_slot_late, (), strategy="exspec", module="strategies.exspec",
-           caught_by="a drafter equal to the target must accept every draft "
-                     "(tests/test_self_draft.py); outputs stay exact, no Monitor rule sees "
-                     "draft-cache contents"),
+           _draft_pool_one_slot_late, ("I5",), strategy="exspec", module="strategies.exspec",
+           caught_by="KV provenance of the draft cache (I5.provenance, fast and strict "
+                     "Monitor); a drafter equal to the target must accept every draft "
+                     "(tests/test_self_draft.py); outputs stay exact"),
+    Mutant("cache_gather_shifted", "_gather",
+           "every KV cache gather (realignment, compaction, pool load) reads one slot to the "
+           "right of its plan; tokens, masks, positions and widths stay right",
+           _gather_one_slot_right, ("I5", "I7"), strategy="eqspec", module="cache",
+           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the next "
+                     "realign view; deep I5 and I7"),
+    Mutant("row_drop_reversed", "rows_leaving",
+           "when rows finish, the caches copy the finished rows onto the staying rows that "
+           "should fill their places (the wrong direction); the row tensors stay right",
+           _drop_copies_backwards, ("I5", "I7"), strategy="eqspec", module="batch",
+           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the realign "
+                     "view after a row drop; deep I5 and I7"),
+    Mutant("exspec_pool_late", "write_back",
+           "EXSPEC writes the target's new KV back into its pool one slot late",
+           _pool_one_slot_late, ("I5", "I7"), strategy="exspec", module="strategies.exspec",
+           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the realign "
+                     "view that loads the pool; deep I5 and I7"),
+    Mutant("draft_cache_lag_off_by_one", "realign",
+           "EQSPEC realigns the drafter's cache as if it lagged the target's by one slot more "
+           "than it does (its gather one slot to the left); widths stay right",
+           _draft_realigned_one_slot_off, ("I5",), strategy="eqspec",
+           module="strategies.eqspec",
+           caught_by="KV provenance of the draft cache (I5.provenance, fast and strict "
+                     "Monitor); a drafter equal to the target must accept every draft"),
 )}
 
 #: every name ``apply`` takes

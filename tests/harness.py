@@ -99,8 +99,9 @@ class CommitRecorder:
 
 
 def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=None, target=None,
-             raise_on_violation: bool = False) -> Outcome:
-    """Run ``case`` with a ForcingDrafter under a strict Monitor (recording by default);
+             raise_on_violation: bool = False, mode: str = "strict") -> Outcome:
+    """Run ``case`` with a ForcingDrafter under a Monitor in ``mode`` (strict by default;
+    recording by default);
     with ``case.sampling`` (coupled) the reference and the forced drafts are those of plain
     coupled sampling.
 
@@ -137,7 +138,7 @@ def run_case(case: Case, *, strategy: str | None = None, known_bad=None, mutant=
 
     drafter.propose = propose
     policy, kbs = forced_policy(case)
-    mon = invariants.Monitor(mode="strict", raise_on_violation=raise_on_violation)
+    mon = invariants.Monitor(mode=mode, raise_on_violation=raise_on_violation)
     rec = CommitRecorder()
     strategy = strategy or case.strategy
     with mutants.apply(mutant) if mutant else contextlib.nullcontext():

@@ -6,12 +6,13 @@ forward must then accept all of them: ``Stats.accepted == Stats.drafted``, under
 strategy and every tiny family (fixed policy, so every row drafts ``k`` while its budget
 allows). The draft model's cache is realigned, dropped, pooled and loaded like the
 target's; any fault in that bookkeeping feeds the draft model a wrong context and shows
-here as a rejected draft, while the outputs stay exact (the target verifies every draft)
-and no Monitor rule can see it (drafts may be any proposal; the view carries the draft
-cache's widths, not its contents).
+here as a rejected draft, while the outputs stay exact (the target verifies every draft);
+the Monitor sees what moves the draft cache's K/V (KV provenance of the draft cache,
+``invariants/provenance.py``), not a slot the draft model never computed.
 
 The mutant ``exspec_draft_pool_late`` (``specdec.mutants.FAULTS``: EXSPEC writes the draft
-model's new KV back into its pool one slot late) is caught by this property alone.
+model's new KV back into its pool one slot late) is caught by this property and by the
+draft cache's KV provenance; every other rule holds.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_a_drafter_equal_to_the_target_accepts_every_coupled_draft(strategy):
     assert res.stats.drafted > 0 and res.stats.accepted == res.stats.drafted
 
 
-def test_the_late_draft_pool_mutant_is_caught_by_the_self_draft_property():
+def test_the_late_draft_pool_mutant_is_caught_by_the_self_draft_property_and_provenance():
     target = models.tiny("llama")
     mon = invariants.Monitor("strict", raise_on_violation=False)
     with mutants.apply("exspec_draft_pool_late"):
@@ -73,6 +74,9 @@ def test_the_late_draft_pool_mutant_is_caught_by_the_self_draft_property():
     # what nothing else sees: the outputs stay exact and every view is right
     assert res.sequences == specdec.reference_generate(target, PROMPTS, max_new_tokens=NEW,
                                                        stop_token_ids=[])
-    assert mon.check() == [] and mon.check_stats(stats, res.sequences) == []
+    found = mon.check()
+    assert found and {v.invariant for v in found} == {"I5"}
+    assert all("I5.provenance" in v.rules[0] and "draft cache" in v.rules[0] for v in found)
+    assert mon.check_stats(stats, res.sequences) == []
     clean = self_drafted(target, "exspec")
     assert clean.stats.accepted == clean.stats.drafted and clean.stats.steps < stats.steps

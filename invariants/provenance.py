@@ -1,0 +1,336 @@
+"""KV provenance (I5's cheap form, "I5-lite"): every cached K/V stays what a forward wrote
+for its request and position, through every realignment, row drop and pool copy.
+
+Deep mode recomputes each row's K/V with a clean prefill (I5 proper): exact in meaning,
+a full prefill per check. This rule runs in fast and strict mode at the cost of a few
+reductions over two layers per phase, and sees the faults that keep every width right
+while moving the wrong K/V: a gather shifted by one slot, a row drop that copies in the
+wrong direction, a pool written back one slot off, a crop that keeps the wrong slots.
+
+The fingerprint of a cache slot (``fingerprint``): the bit patterns of layer 0's K
+vector and of the last layer's V vector at that slot, read as 64-bit integers
+(``words``), summed over heads and head dimensions in ``int64``. Integer sums (modulo
+``2**64``) are exact in any order, so the fingerprint of a slot depends only on its bits:
+a copy (which moves bits, ``cache.as_wide_elements``) keeps it in every dtype, and it is
+compared exactly. Layer 0's K tells the token and position, the last layer's V the
+context before it; a slot moved from elsewhere (another slot, row or position) has other
+bits, and two different vectors share a sum with probability about ``2**-64``.
+
+The rule, per cache (the target's and, for a drafter that keeps one, the drafter's):
+
+- recorded when a forward writes: the target's slots written by the view's ``forward``
+  (prefill and verify: columns ``cache_width .. cache_width + q - 1``, at the forward's
+  positions, where its mask is set); the drafter's slots at the prefill view (its
+  prefill wrote every slot) and at the draft view (the slots past ``W - 1``: the
+  pending token and every draft, at positions ``n - 1 + i``). A table keyed by request
+  id (``row_ids``) and position keeps the latest record of each (the newest
+  ``capacity`` requests, like the monitor's other per-request state);
+- checked when the next forward's view shows the cache again (the target's at the
+  verify view, a drafter's at the draft view: the cache as every realignment, row drop,
+  compaction or EXSPEC pool load since the last forward left it, before the forward's
+  own slots, which are then recorded): each valid slot ``j < W - 1`` holding position
+  ``positions[b, j]`` must carry the fingerprint recorded for (``row_ids[b]``, that
+  position). A position with no record (a view that never showed its forward) is not
+  checked. Every realignment is followed by a forward (a row that stays is verified
+  again), so one fingerprint per cache and step records and checks at once.
+
+The drafter's cache lag is verified, not trusted (``LAG_RULE``, ``I1.draft_cache_lag``):
+one realignment plan serves both caches, so at the prefill, verify, commit and realign
+views the drafter's cache must cover exactly the target cache's slots (equal widths: its declared
+``draft_cache_lag`` is then the target's, ``k + 1`` at verify and commit, 0 at prefill
+and realign); its positions and contents are then held to the records above.
+
+Cost: no host read, upload or data-dependent shape (the table grows to widths the host
+knows); per forward view one fingerprint of the cache's ``W + k`` slots (two copies'
+worth of work: a stack and a sum), a lookup and compare of the old slots, and a scatter
+of the new ones: 23 aten ops at a target's verify view, nothing at the other phases.
+What it cannot see: a slot a forward claims to have written but did not (its
+stale contents are recorded as written); the drafter-equals-target property
+(tests/test_self_draft.py) covers that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import predicates as P
+from .checker import Entry
+from .rules import Rule
+from .view import StepView
+
+#: "no record" in a table (a real fingerprint equals it with probability about 2**-64)
+NONE = torch.iinfo(torch.int64).min
+
+#: the rule as a trace states it; ``{cache}`` is "target" or "draft"
+RULE = Rule(
+    "I5.provenance", "I5",
+    "every valid slot of the {cache} cache holding position p carries the KV fingerprint "
+    "recorded when a forward wrote (its request, p): the int64 sum of the bits of layer "
+    "0's K and the last layer's V at the slot, read as 64-bit words over heads and head "
+    "dims; compared exactly (realignment, row drops and pool copies only copy)",
+    ("cache_tensors", "draft_cache_tensors", "positions", "valid", "row_ids"),
+    columns="slots")
+
+LAG_RULE = Rule(
+    "I1.draft_cache_lag", "I1",
+    "the draft cache covers exactly the target cache's slots at the prefill, verify, commit "
+    "and realign views (one realignment plan serves both), so its declared lag is the "
+    "target's: draft widths {draft} = target widths {target}, declared lag {lag}",
+    ("cache_widths", "draft_cache_widths", "draft_cache_lag"))
+
+#: phases at which the drafter's cache must have the target cache's width
+LAG_PHASES = ("prefill", "verify", "commit", "realign")
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``t`` ``[..., D]`` viewed as integers of its last dimension's bytes:
+    64-bit words where ``D`` times the element size allows, else integers of the element's
+    own width (no copy)."""
+    size = t.shape[-1] * t.element_size()
+    for as_int, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if size % width == 0 and t.element_size() <= width:
+            return t.view(as_int)
+    return t.view(torch.uint8)
+
+
+def fingerprint(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[B, q] long: the fingerprint of every slot of ``k`` (layer 0's keys) and ``v`` (the
+    last layer's values), both slot-major ``[B, q, H, D]``: the sum, over heads and head
+    dims, of their bits read as integers (``words``), in int64. Integer sums wrap modulo
+    2**64, which is exact and independent of the order of the additions. One copy (the
+    two side by side, so the sum runs over contiguous memory) and one sum."""
+    b, q = k.shape[0], k.shape[1]
+    return words(torch.stack([k, v], dim=2)).view(b, q, -1).sum(dim=-1, dtype=torch.int64)
+
+
+class Table:
+    """The latest fingerprint recorded for each (request, position) of one cache.
+
+    ``ids`` [R] long: request ids, newest first; ``fp`` [R + 2, P + 2] long: the record
+    at each position (``NONE``: none); row ``R`` and column ``P`` take the writes a
+    scatter discards, row ``R + 1`` and column ``P + 1`` stay ``NONE`` (where lookups of
+    what is not judged go)."""
+
+    def __init__(self, device):
+        self.ids = torch.zeros(0, dtype=torch.long, device=device)
+        # two rows past the requests': writes of unknown requests land in the first,
+        # lookups of unknown requests read the second (always NONE)
+        self.fp = torch.full((2, 2), NONE, dtype=torch.long, device=device)
+        self._match = None  # (row_ids, version, ids, write rows [B], read rows [B])
+        self._cols = None  # (width, discard column, NONE column)
+
+    @property
+    def width(self) -> int:
+        """Positions the table holds (``P``)."""
+        return self.fp.shape[1] - 2
+
+    def admit(self, row_ids: torch.Tensor, capacity: int) -> None:
+        """Start fresh records for ``row_ids`` ([B] long) and keep the newest ``capacity``
+        requests (``predicates.remember_newest``; fixed sizes, no read)."""
+        ids = row_ids.long()
+        fresh = self.fp.new_full((ids.shape[0], self.fp.shape[1]), NONE)
+        keep = P.remember_newest(ids, self.ids, capacity)
+        self.ids = torch.cat([ids, self.ids]).index_select(0, keep)
+        spare = self.fp.new_full((2, self.fp.shape[1]), NONE)
+        self.fp = torch.cat([torch.cat([fresh, self.fp[:-2]]).index_select(0, keep), spare])
+
+    def grow(self, positions: int) -> None:
+        """Hold at least ``positions`` positions (a host count: widths the host knows)."""
+        if positions > self.width:
+            more = self.fp.new_full((self.fp.shape[0], positions - self.width + 16), NONE)
+            self.fp = torch.cat([self.fp[:, :-2], more, self.fp[:, -2:]], dim=1)
+
+    def rows(self, row_ids: torch.Tensor):
+        """(write rows [B, 1], read rows [B]) long: each row's request in the table
+        (``predicates.match_rows``), an unknown one sent to the discard row (writes) or
+        the NONE row (reads); reused while ``row_ids`` and the table's ids are the same
+        tensors, unmodified (engines hand the same row ids to every phase of a step)."""
+        m = self._match
+        try:
+            version = row_ids._version
+        except RuntimeError:  # inference mode: no version counter, look up every time
+            version = None
+        if m is not None and m[0] is row_ids and m[1] == version and version is not None \
+                and m[2] is self.ids:
+            return m[3], m[4]
+        idx, found = P.match_rows(row_ids.long(), self.ids)
+        r = self.ids.shape[0]
+        write, read = torch.where(found, idx, r)[:, None], torch.where(found, idx, r + 1)
+        self._match = (row_ids, version, self.ids, write, read)
+        return write, read
+
+    def _columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-dim long tensors: the discard column and the NONE column (made at ``grow``)."""
+        c = self._cols
+        if c is None or c[0] != self.width:
+            dev = self.fp.device
+            c = self._cols = (self.width, torch.full((), self.width, dtype=torch.long, device=dev),
+                              torch.full((), self.width + 1, dtype=torch.long, device=dev))
+        return c[1], c[2]
+
+    def record(self, row_ids: torch.Tensor, fp: torch.Tensor, pos: torch.Tensor,
+               written: torch.Tensor) -> None:
+        """Record ``fp`` [B, q] at (``row_ids[b]``, ``pos[b, i]``) where ``written`` [B, q];
+        the other entries go to the discard column. Positions must lie below ``width``
+        (``grow``; an index past it raises)."""
+        write, _ = self.rows(row_ids)
+        cols = torch.where(written, pos, self._columns()[0])
+        self.fp.index_put_((write.expand_as(cols), cols), fp)
+
+    def mismatches(self, row_ids, fp, pos, valid) -> torch.Tensor:
+        """[B, C] bool: valid slots whose fingerprint differs from a record (a position
+        with no record, or a request the table lacks, is not judged)."""
+        _, read = self.rows(row_ids)
+        got = self.fp.index_select(0, read).gather(1, torch.where(valid, pos, self._columns()[1]))
+        return (got != fp) & (got != NONE)
+
+
+def slot_layout(view: StepView, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [B, c] long, valid [B, c] bool) of a cache of width ``c`` in ``view``:
+    slot ``j < W - 1`` holds the token of slot ``j``; the slots from ``W - 1`` on hold the
+    pending token and the drafts, at positions ``n - 1 + i``."""
+    w = view.width
+    head = min(c, w - 1)
+    pos, valid = view.positions[:, :head].long(), view.valid[:, :head].bool()
+    if c > head:
+        i = torch.arange(c - head, device=view.device)[None, :]
+        pos = torch.cat([pos, view.lengths.long()[:, None] - 1 + i], dim=1)
+        valid = torch.cat([valid, torch.ones(view.batch_size, c - head, dtype=torch.bool,
+                                             device=view.device)], dim=1)
+    return pos, valid
+
+
+class KVProvenance:
+    """The monitor's per-run state of this rule (``Monitor`` calls it after every phase):
+    ``__call__(view)`` records or checks and returns an ``Entry`` with one ``[B]`` mask
+    (rows with a slot that lost its provenance), or one with a host failure (the lag
+    rule), or None."""
+
+    def __init__(self, capacity: int, *, provenance: bool = True, lag: bool = True):
+        self.capacity = capacity
+        self.check_provenance, self.check_lag = provenance, lag
+        self.tables: dict = {}  # "target" | "draft" -> Table
+        #: forwards recorded, and views whose old slots were checked, per cache (host counts)
+        self.recorded = {"target": 0, "draft": 0}
+        self.checked = {"target": 0, "draft": 0}
+
+    @staticmethod
+    def _ends(get, first: int = 0, last: int | None = None):
+        """(K of layer 0, V of the last layer), each slot-major ``[B, q, H, D]``, over slots
+        ``first .. last - 1`` of the cache ``get()`` returns (None when it has no layer).
+        A cache may give them itself (``ends(first, last)``), in fewer view ops."""
+        layers = get()
+        ends = getattr(layers, "ends", None)
+        if ends is not None:
+            return ends(first, last)
+        if not layers:
+            return None
+        return (layers[0][0][:, :, first:last].transpose(1, 2),
+                layers[-1][1][:, :, first:last].transpose(1, 2))
+
+    def _table(self, name: str, view: StepView) -> Table:
+        t = self.tables.get(name)
+        if t is None:
+            t = self.tables[name] = Table(view.device)
+        t.grow(view.width + view.k + 1)  # every position a forward of this step can write
+        return t
+
+    def __call__(self, view: StepView) -> Entry | None:
+        lag = self.check_lag and self._lag_broken(view)
+        bad = None
+        if self.check_provenance:
+            try:
+                bad = self._provenance(view)
+            except (RuntimeError, IndexError, ValueError, AttributeError, TypeError):
+                bad = None  # a cache of the wrong shape: I1 says why
+        if not lag and bad is None:
+            return None
+        masks = []
+        if bad is not None:
+            rows = bad[0][1].any(dim=1)
+            for _, more in bad[1:]:
+                rows = rows | more.any(dim=1)
+            masks.append(rows)
+        return Entry(masks, bool(lag), {"view": view, "provenance": bad or [],
+                                        "lag": lag})
+
+    # -- the lag ------------------------------------------------------------------------
+    @staticmethod
+    def _lag_broken(view: StepView) -> bool:
+        dws, tws = view.draft_cache_widths, view.cache_widths
+        return bool(dws) and bool(tws) and view.phase in LAG_PHASES \
+            and any(d != tws[0] for d in dws)
+
+    # -- records and checks ---------------------------------------------------------------
+    def _provenance(self, view: StepView):
+        """Check the slots a phase's forward found in a cache, then record what it wrote:
+        ``[(cache name, [B, C] bool mismatches)]`` or None."""
+        phase = view.phase
+        target, draft = view.cache_tensors, view.draft_cache_tensors
+        bad = []
+        if phase == "prefill":
+            for name, get in (("target", target), ("draft", draft)):
+                if get is not None:
+                    self._table(name, view).admit(view.row_ids, self.capacity)
+        f = view.forward
+        if phase in ("prefill", "verify") and target is not None and f is not None:
+            first, q = f.cache_width, f.input_ids.shape[1]
+            kv = self._ends(target, 0, first + q)
+            if kv is not None and kv[0].shape[1] == first + q and q > 0:
+                table = self._table("target", view)
+                fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
+                if first:
+                    bad.append(("target", self._check("target", table, view, fp[:, :first])))
+                table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
+                             f.attention_mask[:, first:].bool())
+                self.recorded["target"] += 1
+        if phase in ("prefill", "draft") and draft is not None:
+            first = 0 if phase == "prefill" else view.width - 1
+            kv = self._ends(draft, 0)
+            c = kv[0].shape[1] if kv is not None else 0
+            if c > first:
+                table = self._table("draft", view)
+                fp = fingerprint(*kv)
+                if first:
+                    bad.append(("draft", self._check("draft", table, view, fp[:, :first])))
+                pos, valid = slot_layout(view, c)
+                table.record(view.row_ids, fp[:, first:], pos[:, first:], valid[:, first:])
+                self.recorded["draft"] += 1
+        return bad or None
+
+    def _check(self, name: str, table: Table, view: StepView, fp: torch.Tensor) -> torch.Tensor:
+        """[B, C] bool: the slots of ``fp`` (a cache's first ``C <= W - 1`` slots, as the
+        last realignment left them) whose fingerprint differs from the record of the
+        position the view says they hold."""
+        pos, valid = slot_layout(view, fp.shape[1])
+        self.checked[name] += 1
+        return table.mismatches(view.row_ids, fp, pos, valid)
+
+
+def describe(entry: Entry, rows: list, limit: int = 4):
+    """Host side, on a failure: (invariant, rows, slots per row, sentences) of the entry's
+    first failing rule, or None."""
+    ctx = entry.context
+    view = ctx["view"]
+    if ctx.get("lag"):
+        text = LAG_RULE.text(None, draft=list(view.draft_cache_widths),
+                             target=list(view.cache_widths), lag=view.draft_cache_lag)
+        return "I1", list(range(view.batch_size)), [[] for _ in range(view.batch_size)], \
+            [f"{LAG_RULE.id}: {text}"]
+    flagged = [b for b, x in enumerate(rows[0]) if x] if rows else []
+    if not flagged:
+        return None
+    ids = view.row_ids.tolist()
+    for name, bad in ctx["provenance"]:
+        host = bad.tolist()
+        mine = [b for b in flagged if any(host[b])]
+        if not mine:
+            continue
+        slots = [[j for j, x in enumerate(host[b]) if x] for b in mine]
+        pos = view.positions.tolist()
+        detail = "; ".join(
+            f"row {b} (req {ids[b]}): slots {s[:6]} at positions {[pos[b][j] for j in s[:6]]}"
+            for b, s in list(zip(mine, slots))[:limit])
+        text = RULE.sentence.format(cache=name)
+        return "I5", mine, slots, [f"{RULE.id}: {text}; broken at {detail}"]
+    return None
