@@ -199,6 +199,14 @@ def _draft_pool_one_slot_late(orig):
     return write_back
 
 
+def _holes_flag_inverted(orig):
+    def positions_matter(holes, window):
+        # the holes flag read backwards: a batch with holes gets the model's own mask over
+        # slots (its window then counts holes), one without gets position masks (harmless)
+        return orig(not holes, window)
+    return positions_matter
+
+
 FAULTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("ngram_shorter_match_wins", "longest_match",
            "the n-gram drafter continues the latest match even when a longer one exists",
@@ -216,6 +224,13 @@ FAULTS: dict[str, Mutant] = {m.name: m for m in (
            caught_by="a drafter equal to the target must accept every draft "
                      "(tests/test_self_draft.py); outputs stay exact, no Monitor rule sees "
                      "draft-cache contents"),
+    Mutant("holes_flag_inverted", "positions_matter",
+           "the holes flag inverted where a forward's mask is chosen: a batch with holes on a "
+           "sliding-window model gets a window over slots, not positions (only sliding-window "
+           "models are affected)",
+           _holes_flag_inverted, ("I4", "I7"), strategy="holes", module="cache",
+           caught_by="the Monitor's I4.window (strict: at the verify forward; fast: at "
+                     "check()), tests/test_invariants_window.py"),
 )}
 
 #: every name ``apply`` takes
