@@ -110,6 +110,11 @@ def key_words(keys: torch.Tensor) -> torch.Tensor:
             return keys.view(torch.int64)
         except RuntimeError:  # a layout whose last dimension cannot be reinterpreted
             return keys.contiguous().view(torch.int64)
+    return _float_words(keys)
+
+
+def _float_words(keys: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, D] keys -> [B, H, n, D] int32: the bits of their float32 values."""
     k32 = keys if keys.dtype == torch.float32 else keys.float()
     try:
         return k32.view(torch.int32)
@@ -120,8 +125,14 @@ def key_words(keys: torch.Tensor) -> torch.Tensor:
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     """[B, H, n, D] keys, [1, H, 1, w] odd int64 multipliers, one per word of
     ``key_words`` -> [B, n] int64: an exact hash of the bits of every slot's keys (the
-    products and their sum wrap modulo 2^64, in any order)."""
-    return (key_words(keys) * mult).sum(dim=3).sum(dim=1)
+    products and their sum wrap modulo 2^64, in any order). Multipliers of another width
+    (``w = D``: one per element) hash the keys' float32 bits instead."""
+    if keys.requires_grad:
+        keys = keys.detach()
+    words = key_words(keys)
+    if mult.shape[-1] != words.shape[-1]:
+        words = _float_words(keys)
+    return (words * mult).sum(dim=3).sum(dim=1)
 
 
 def fingerprint_layer(cache) -> int | None:

@@ -124,3 +124,14 @@ def test_a_slot_overwritten_in_place_is_fingerprinted_and_caught(mode, monkeypat
     v = g.violations[0]
     # a prompt token replaced: row 0's context starts with no registered prompt, at slot 1
     assert (v.invariant, v.trace["rows"], v.trace["slots"]) == ("C1", [0], [[1]]), str(v)
+
+
+def test_multipliers_one_per_element_hash_the_float32_bits():
+    """``key_fingerprint`` with ``[1, H, 1, D]`` multipliers (its earlier form) still
+    gives an exact hash: of each element's float32 bits."""
+    keys = torch.randn(2, 2, 5, 16)
+    i = torch.arange(32).view(2, 16)
+    mult = ((i * 2 + 1) * C._HASH)[None, :, None, :]
+    want = (keys.view(torch.int32) * mult).sum(dim=3).sum(dim=1)
+    assert torch.equal(C.key_fingerprint(keys, mult), want)
+    assert torch.equal(C.key_fingerprint(keys[:, :, [3, 1]], mult), want[:, [3, 1]])
