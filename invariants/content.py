@@ -27,12 +27,18 @@ given and, at the end, the outputs. From those it checks
 
 Where the tokens of the cache come from: the guard wraps the cache's ``update`` (for the
 forwards it sees) and fingerprints the keys written to one full-attention layer. Before a
-forward, while the cache still holds the very keys tensor its last update made (the same
-object, its version counter unchanged: a dynamic cache that only grew), its slots are
-that forward's slots; otherwise the guard fingerprints that layer's cached keys and looks
-each slot up. Keys are copied exactly by any realignment, row drop or reorder, so slots
-are followed wherever a loop moves them. A fingerprint is an integer hash of the key's
-bits (exact, independent of reduction order). A slot the guard never saw written (a
+forward, while the cache still shows the keys its last update returned, untouched (the
+same tensor, or for a cache that computes its keys on access, such as the engine's
+``SlabCache``, a view of the same storage with the same shape, strides and offset; and
+the storage's version counter as it was when that forward ended: no write since, in
+place or by a realignment), its slots are that forward's slots; otherwise the guard
+fingerprints that layer's cached keys and looks each slot up (a row whose slots carry
+exactly the fingerprints the last forward left in a row takes that row's tokens without
+a lookup). A write that bypasses the version counter (through ``.data``) is not seen.
+Keys are copied exactly by any realignment, row drop or reorder, so slots are followed
+wherever a loop moves them. A fingerprint is an integer hash of the key's bits, read as
+8-byte words where the head size allows (exact, independent of reduction order). A slot
+the guard never saw written (a
 cache filled outside the block, a cache with only sliding-window layers, a legacy tuple
 cache) makes its row unknown: the row is not checked (``Content.unknown`` counts such
 rows) rather than falsely flagged.
@@ -86,15 +92,47 @@ C3_ARGMAX = ("C3", "outputs.argmax",
 DEVICE_RULES = (C1_PROMPT, C1_KEPT, C2_ARGMAX)
 
 _HASH = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant, as a signed int64
+#: mask dtypes the host reads as they are (0/1 or False/True) when no copy is needed
+_READ_AS_IS = (torch.bool, torch.long, torch.int32)
 _NOT_WATCHED = object()  # an update the content rules do not learn from
 
 
+def key_words(keys: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, D] keys -> [B, H, n, w] integer words of their bits: each key vector's
+    bytes as int64 words when they divide into 8-byte words (fp32 with an even head
+    size, bf16/fp16 with one divisible by 4: no conversion), else its float32 value's
+    bits as int32 words (exact for fp16/bf16). Which one depends on the dtype and head
+    size only, so a copied key gets the words it had."""
+    if keys.requires_grad:
+        keys = keys.detach()
+    if (keys.shape[-1] * keys.element_size()) % 8 == 0:
+        try:
+            return keys.view(torch.int64)
+        except RuntimeError:  # a layout whose last dimension cannot be reinterpreted
+            return keys.contiguous().view(torch.int64)
+    return _float_words(keys)
+
+
+def _float_words(keys: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, D] keys -> [B, H, n, D] int32: the bits of their float32 values."""
+    k32 = keys if keys.dtype == torch.float32 else keys.float()
+    try:
+        return k32.view(torch.int32)
+    except RuntimeError:
+        return k32.contiguous().view(torch.int32)
+
+
 def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
-    """[B, H, n, D] keys, [1, H, 1, D] multipliers -> [B, n] int64: an exact hash of the
-    bits of every slot's keys."""
-    keys = keys.detach()
-    bits = (keys if keys.dtype == torch.float32 else keys.float()).view(torch.int32)
-    return (bits * mult).sum(dim=3).sum(dim=1)  # int32 * int64: exact int64 products
+    """[B, H, n, D] keys, [1, H, 1, w] odd int64 multipliers, one per word of
+    ``key_words`` -> [B, n] int64: an exact hash of the bits of every slot's keys (the
+    products and their sum wrap modulo 2^64, in any order). Multipliers of another width
+    (``w = D``: one per element) hash the keys' float32 bits instead."""
+    if keys.requires_grad:
+        keys = keys.detach()
+    words = key_words(keys)
+    if mult.shape[-1] != words.shape[-1]:
+        words = _float_words(keys)
+    return (words * mult).sum(dim=3).sum(dim=1)
 
 
 def fingerprint_layer(cache) -> int | None:
@@ -177,6 +215,8 @@ class Content:
         self._mult = {}
         self._wrapped: list = []  # (cache, had_attribute, old attribute)
         self._layer: dict = {}  # id(cache) -> fingerprint layer index (once known)
+        self._computed: set = set()  # id of each watched cache whose layer computes its keys
+        self._due = None  # the current forward's entry of ``_seen``, its version not read yet
         # hook side, id(cache) -> (keys tensor, its version, forward number) after the last
         # forward that appended to it: while the cache holds that very tensor, unchanged,
         # its slots are that forward's (no fingerprint); host side, id(cache) ->
@@ -198,6 +238,11 @@ class Content:
         self._host_prev: list = []
 
     # -- the cache ---------------------------------------------------------------------------
+    def _fingerprint(self, keys: torch.Tensor) -> torch.Tensor:
+        """``key_fingerprint`` of [B, H, n, D] keys -> [B, n] int64."""
+        words = key_words(keys)
+        return (words * self._mult_for(words.shape[1], words.shape[3])).sum(dim=3).sum(dim=1)
+
     def _mult_for(self, h: int, d: int) -> torch.Tensor:
         m = self._mult.get((h, d))
         if m is None:
@@ -233,7 +278,7 @@ class Content:
             before = self._watching(cache, layer_idx)
             out = inner(key_states, value_states, layer_idx, *args, **kwargs)
             if before is not _NOT_WATCHED:
-                self._learn(key_states, cache, layer_idx, before)
+                self._learn(key_states, cache, layer_idx, before, out)
             return out
         cache.update = update
         self._wrapped.append((cache, had, old))
@@ -244,7 +289,8 @@ class Content:
                 cache.update = old
             else:
                 vars(cache).pop("update", None)
-        self._wrapped, self._seen = [], {}
+        self._wrapped, self._seen, self._due = [], {}, None
+        self._computed.clear()
         self._layer.clear()  # in place: the wrappers' closures hold this dict
 
     def _watching(self, cache, layer_idx: int):
@@ -258,24 +304,46 @@ class Content:
             return None
         if layer_idx != layer:
             return _NOT_WATCHED
-        return _layer_keys(cache, layer_idx, tensor_only=True)
+        return self._held_keys(cache, layer_idx)
 
-    def _learn(self, keys: torch.Tensor, cache=None, layer_idx: int = 0, before=None) -> None:
+    def _held_keys(self, cache, layer_idx: int):
+        """``_layer_keys(cache, layer_idx, tensor_only=True)``, remembering per watched
+        cache that its layer computes its keys on access (``SlabCache``: a view of its
+        slab each time), so that such a cache is not asked again at every update."""
+        key = id(cache)
+        if key in self._computed:
+            return None
+        keys = _layer_keys(cache, layer_idx, tensor_only=True)
+        if keys is None and any(c is cache for c, _, _ in self._wrapped) \
+                and _layer_keys(cache, layer_idx) is not None:
+            self._computed.add(key)  # a property: never the tensor a dynamic cache holds
+        return keys
+
+    def _learn(self, keys: torch.Tensor, cache=None, layer_idx: int = 0, before=None,
+               out=None) -> None:
         """Capture the fingerprints of the keys this forward wrote to the fingerprint
         layer ``layer_idx`` of ``cache`` (their tokens: the forward's ids), and whether the
-        cache now holds a new keys tensor with the old slots followed by this forward's (a
-        dynamic cache): while it holds that very tensor, unchanged, its slots are known
-        without a fingerprint."""
+        cache now holds keys with the old slots followed by this forward's: a new keys
+        tensor (a dynamic cache), or, for a cache that computes its keys on access (a view
+        of its storage: ``SlabCache``), the keys the update returned (``out``). While the
+        cache shows that very tensor, or a view of the same storage with the same shape,
+        strides and offset, and no write reached the storage since the forward ended (its
+        version counter, read by ``after``), its slots are known without a fingerprint."""
         if cache is not None and layer_idx != self.layer_of(cache):
             return  # the layers exist once the first update made them
-        after = _layer_keys(cache, layer_idx, tensor_only=True) if cache is not None else None
+        after = self._held_keys(cache, layer_idx) if cache is not None else None
+        if after is None and key_computed(cache, self._computed) and isinstance(out, tuple) \
+                and out and isinstance(out[0], torch.Tensor):
+            after = out[0]
         ids, fwd = self._stash, self._fwd
         if cache is not None:
             self._seen.pop(id(cache), None)
             if fwd is not None and isinstance(after, torch.Tensor) and after is not before \
                     and after.dim() == 4 and not after.is_inference() \
                     and (after.shape[0], after.shape[2]) == (fwd[1], fwd[2]):
-                self._seen[id(cache)] = (after, after._version, fwd[0])
+                # the version is read when the forward has ended (``after``): later layers
+                # may write to the same storage
+                self._seen[id(cache)] = self._due = [after, None, fwd[0]]
             else:
                 fwd = None
         if keys.dim() != 4 or keys.shape[0] != ids.shape[0] or keys.shape[2] != ids.shape[1]:
@@ -285,7 +353,7 @@ class Content:
         # the keys a forward wrote are a tensor of their own that nothing changes
         info: dict = {}
         entry = self._sink(("learn", id(cache), fwd and fwd[0], info), [])
-        self._refs.append((entry, info, keys.detach()))
+        self._refs.append((entry, info, keys.detach() if keys.requires_grad else keys))
 
     def settle(self, cached: torch.Tensor | None = None):
         """Fingerprint the keys learned since the last call, one ``cat`` and one
@@ -315,7 +383,7 @@ class Content:
                 parts.append(cached)
             self._groups += 1
             keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-            fp = key_fingerprint(keys, self._mult_for(keys.shape[1], keys.shape[3]))
+            fp = self._fingerprint(keys)
             width = keys.shape[2]
             members[0][0].masks.append(fp.reshape(-1))
             at = 0
@@ -325,7 +393,7 @@ class Content:
             if len(parts) > len(members):
                 out = ("group", (self._groups, at, cached.shape[2], width))
         if cached is not None and out[0] == "fp":
-            data = key_fingerprint(cached, self._mult_for(cached.shape[1], cached.shape[3]))
+            data = self._fingerprint(cached)
             data = data.reshape(-1)
         return out, [] if data is None else [data]
 
@@ -341,10 +409,10 @@ class Content:
                 or keys.shape[2] < c:
             return None
         seen = self._seen.get(id(cache))
-        if seen is not None and seen[0] is keys and keys._version == seen[1] \
-                and keys.shape[2] == c:
+        if seen is not None and seen[1] is not None and keys.shape[2] == c \
+                and same_view(seen[0], keys) and keys._version == seen[1]:
             return ("seen", seen[2]), []  # the very tensor this guard saw written, untouched
-        return self.settle(keys[:, :, :c])
+        return self.settle(keys if keys.shape[2] == c else keys[:, :, :c])
 
     # -- the hooks: captures ---------------------------------------------------------------
     def skip(self, ids: torch.Tensor | None = None) -> None:
@@ -376,7 +444,7 @@ class Content:
         if self.copy:  # the loop may reuse its buffers before the flags are read
             ids = ids.clone()
         self._stash = ids if cache is not None else None
-        v = valid if valid is None or (valid.dtype == torch.bool and not self.copy) \
+        v = valid if valid is None or (not self.copy and valid.dtype in _READ_AS_IS) \
             else valid.clone() if valid.dtype == torch.bool else valid.bool()
         self._sink(("forward", self._count, b, q, c, cap[0], cap[1],
                     id(cache) if cache is not None else None, v is not None),
@@ -387,6 +455,8 @@ class Content:
     def after(self, logits) -> None:
         """Capture the argmax of every computed position of the forward ``before`` read."""
         last, self._last, self._stash, self._fwd = self._last, None, None, None
+        if self._due is not None:  # the forward has ended: its cache's version now
+            self._due[1], self._due = self._due[0]._version, None
         if last is None or not isinstance(logits, torch.Tensor) or logits.dim() != 3 \
                 or logits.shape[0] != last[0] or logits.shape[1] > last[1]:
             return
@@ -409,6 +479,13 @@ class Content:
                                     info["b"])
                 if fps is not None:
                     self.table.update(zip(fps, host["flat"]))
+                    cfps = host.get("cfps")
+                    if cfps is not None and info["b"] == len(cfps):
+                        # every slot's fingerprints as this forward left them, per row
+                        # (rows with a slot never seen: None), for the next forward
+                        q = info["q"]
+                        host["full"] = [None if f is None else f + fps[r * q: r * q + q]
+                                        for r, f in enumerate(cfps)]
             if number is not None and host is not None and host["n"] == number:
                 self._slots[cache_key] = (number, host["tok"])
             else:
@@ -429,64 +506,98 @@ class Content:
         s = c + q
         flat_ids = rows[0]
         ids = _split(flat_ids, b, q)
-        valid = _split(rows[1], b, s) if has_valid else None
+        flat_valid = rows[1] if has_valid else None
         looked = how in ("fp", "group")
+        cfps = None  # per row: the fingerprints of its cached slots (None: not known)
         if c == 0:
             tok = ids
-        else:
-            if how == "seen":
-                at, old = self._slots.get(cache_key, (None, None))
-                if at != seen_at or old is None or len(old) != b:
-                    old = [[-2] * c for _ in range(b)]
-                    looked = True
-            else:
-                fps = rows[-1] if seen_at is None else self._columns(
-                    seen_at[0], seen_at[1], seen_at[2], seen_at[3], b)
-                if fps is None or len(fps) != b * c:
-                    fps = [None] * (b * c)
-                old = _split(list(map(self.table.get, fps, repeat(-2))), b, c)
+            cfps = [[] for _ in range(b)]
+        elif how == "seen":
+            at, old = self._slots.get(cache_key, (None, None))
+            if at != seen_at or old is None or len(old) != b:
+                old = [[-2] * c for _ in range(b)]
+                looked = True
+            else:  # the last forward's slots: their fingerprints too, when it knew them
+                last = self._host
+                full = last.get("full") if last is not None and last["n"] == at else None
+                cfps = full if full is not None and len(full) == b else None
             tok = [o + i for o, i in zip(old, ids)]
-        host = {"n": number, "ids": ids, "flat": flat_ids, "tok": tok, "rows": []}
+        else:  # each row's cached slots looked up by their fingerprints (-2: never seen)
+            get = self.table.get
+            if seen_at is None:
+                flat, width, at = rows[-1], c, 0
+            elif self._group is not None and self._group[0] == seen_at[0]:
+                flat, width, at = self._group[1], seen_at[3], seen_at[1]
+            else:
+                flat, width, at = None, c, 0
+            if flat is None or len(flat) != b * width or at + c > width:
+                tok = [[-2] * c + ids[r] for r in range(b)]
+            else:
+                # a row whose slots carry exactly the fingerprints the last forward left in
+                # one of its rows (the same row, most often) holds that row's tokens: no
+                # lookup (the table maps each fingerprint to one token)
+                last = self._host
+                full = last.get("full") if last is not None else None
+                before = last["tok"] if full is not None else None
+                cfps, tok = [], []
+                for r in range(b):
+                    f = flat[r * width + at: r * width + at + c]
+                    if full is not None and r < len(full) and full[r] == f:
+                        tok.append(before[r] + ids[r])
+                    else:
+                        tok.append(list(map(get, f, repeat(-2))) + ids[r])
+                    cfps.append(f)
+            looked = any(-2 in t for t in tok)  # a row is unknown only if one of these is
+        out: list = []
+        host = {"n": number, "ids": ids, "flat": flat_ids, "tok": tok, "rows": out,
+                "cfps": None if cfps is None else
+                [None if -2 in t else f for t, f in zip(tok, cfps)]}
         self._host = host
-        self._host_prev, self._host_rows = self._host_rows, host["rows"]
+        self._host_prev, self._host_rows = self._host_rows, out
         found, claimed = [], set()
         prev = [x[0] if x else None for x in self._host_prev]
+        chains, kept, recs, plen = self.chains, self.kept, self.recs, self.plen_host
+        stop_set, greedy = self.stop_set, self.spec.greedy
         for r in range(b):
-            v = valid[r] if valid is not None else None
-            ctx = tok[r] if v is None else list(compress(tok[r], v))
+            if flat_valid is None:
+                v = None
+                ctx = tok[r]
+            else:
+                v = flat_valid[r * s: r * s + s]
+                ctx = list(compress(tok[r], v))
             n = len(ctx)
             if n == 0:
-                host["rows"].append(None)
+                out.append(None)
                 continue
             if looked and -2 in ctx:
                 self.unknown += 1
-                host["rows"].append(None)
+                out.append(None)
                 continue
             # the prompt this batch row had in the last forward, while the context still
             # agrees with its whole chain (no other chain agrees longer but one a swapped
             # row of an identical prompt took); else a match against every prompt
             p = prev[r] if r < len(prev) else None
             if p is not None:
-                chain = self.chains[p]
-                m = min(n, len(chain))
-                if p not in claimed and m >= min(self.plen_host[p], n) \
-                        and chain[:m] == ctx[:m]:
-                    agree = m
+                chain = chains[p]
+                m = len(chain)
+                if p not in claimed and ((m >= plen[p] or m == n) and chain == ctx[:m]
+                                         if m <= n else chain[:n] == ctx):
+                    agree = min(m, n)
                 else:
                     p = None
             if p is None:
                 p, agree = self._match(ctx, claimed)
             if p is None:
                 found.append((0, {"row": r, "ctx": ctx}))
-                host["rows"].append(None)
+                out.append(None)
                 continue
             claimed.add(p)
-            chain, k0 = self.chains[p], self.kept[p]
-            rec = self.recs[p]
+            chain, k0 = chains[p], kept[p]
+            rec = recs[p]
             live = n
-            if self.stop_set:  # past a row's first stop (after its prompt) nothing is checked
-                for j in range(self.plen_host[p], n):
-                    if ctx[j] in self.stop_set:
+            if stop_set:  # past a row's first stop (after its prompt) nothing is checked
+                for j in range(plen[p], n):
+                    if ctx[j] in stop_set:
                         live = j + 1
                         break
             # kept after this forward: what it attends without the logits it was chosen
@@ -496,27 +607,35 @@ class Content:
             # earlier forward presented it at the same place (a draft the loop did not
             # verify then, proposed again): it is kept only once a forward attends it as
             # decided
-            cached = (n - sum(v[c:]) if v is not None else c) if c else 0
+            vq = None if v is None else v[c:]
+            cached = (n - q + vq.count(0) if v is not None else c) if c else 0
             k1 = min(agree, live, cached + 1)
             if agree < min(k0, live):  # C1: a kept token replaced
                 found.append((1, {"row": r, "ctx": ctx, "prompt": p, "chain": list(chain),
                                   "kept": k0, "rec": list(rec),
                                   "at": [j for j in range(min(k0, live))
                                          if ctx[j] != chain[j]]}))
-            elif self.spec.greedy and k1 > k0:  # C2: newly kept tokens against the record
-                at = [j for j in range(k0, min(k1, len(rec))) if rec[j] >= 0 and ctx[j] != rec[j]]
+            elif greedy and k1 > k0:  # C2: newly kept tokens against the record
+                top = min(k1, len(rec))
+                if top == k0 + 1:  # one newly kept token (a decode step): no list to build
+                    at = [k0] if rec[k0] >= 0 and ctx[k0] != rec[k0] else None
+                else:
+                    at = [j for j in range(k0, top) if rec[j] >= 0 and ctx[j] != rec[j]]
                 if at:
                     found.append((2, {"row": r, "ctx": ctx, "prompt": p, "chain": list(chain),
                                       "kept": k0, "rec": list(rec), "at": at}))
             # tokens presented before and now replaced or dropped (past the kept ones, from
             # the first disagreement on while live, from the context's end on): records past
             # the first of them are stale
-            first = max(k0, agree)
-            first = first if first < live else max(first, n)
-            del rec[first + 1:]
-            self.chains[p] = ctx + chain[n:k0] if k0 > n else ctx
-            self.kept[p] = max(k0, k1)
-            host["rows"].append((p, cached, None if v is None else v[c:]))
+            first = k0 if k0 > agree else agree
+            if first >= live and n > first:
+                first = n
+            if len(rec) > first + 1:
+                del rec[first + 1:]
+            chains[p] = ctx + chain[n:k0] if k0 > n else ctx
+            if k1 > k0:
+                kept[p] = k1
+            out.append((p, cached, vq))
         return found
 
     def _columns(self, group: int, at: int, q: int, width: int, b: int):
@@ -560,22 +679,23 @@ class Content:
         """Record the argmax of the last ``ql`` slots of each row at the context position
         they predict (the first record of a position stands)."""
         q = len(host["ids"][0]) if host["ids"] else 0
+        skip = q - ql  # new slots before the recorded ones
+        recs = self.recs
         for r, info in enumerate(host["rows"]):
             if info is None:
                 continue
             p, cached, v = info
-            rec = self.recs[p]
-            preds = am[r * ql: (r + 1) * ql]
-            pos = cached  # valid slots so far: the position the next valid slot predicts
-            for j in range(q):
+            rec = recs[p]
+            # valid slots so far: the position the next valid slot predicts
+            pos = cached + (skip if v is None else skip - v[:skip].count(0))
+            for j in range(skip, q):
                 if v is not None and not v[j]:
                     continue
                 pos += 1
-                if j >= q - ql:
-                    if len(rec) <= pos:
-                        rec.extend([-1] * (pos + 1 - len(rec)))
-                    if rec[pos] < 0:
-                        rec[pos] = preds[j - (q - ql)]
+                if len(rec) <= pos:
+                    rec.extend([-1] * (pos + 1 - len(rec)))
+                if rec[pos] < 0:
+                    rec[pos] = am[r * ql + j - skip]
 
     # -- host state (outputs) ---------------------------------------------------------------
     def host_state(self):
@@ -663,6 +783,21 @@ def _layer_keys(cache, layer: int, tensor_only: bool = False):
     return getattr(layers[layer], "keys", None)
 
 
+def key_computed(cache, computed: set) -> bool:
+    """Whether ``cache`` is known (``computed``: ids) to compute its keys on access."""
+    return cache is not None and id(cache) in computed
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one tensor, or views of one storage with the same dtype,
+    shape, strides and offset (the same elements)."""
+    if a is b:
+        return True
+    base = a._base
+    return base is not None and base is b._base and a.dtype == b.dtype and a.shape == b.shape \
+        and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
 def first_stop(tokens, stops) -> int | None:
     for i, t in enumerate(tokens):
         if t in stops:
@@ -670,5 +805,6 @@ def first_stop(tokens, stops) -> int | None:
     return None
 
 
-__all__ = ["Content", "ContentSpec", "DEVICE_RULES", "key_fingerprint", "fingerprint_layer",
+__all__ = ["Content", "ContentSpec", "DEVICE_RULES", "key_fingerprint", "key_words",
+           "fingerprint_layer",
            "C1_PROMPT", "C1_KEPT", "C2_ARGMAX", "C3_CHAIN", "C3_STOP", "C3_LENGTH", "C3_ARGMAX"]

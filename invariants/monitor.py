@@ -812,6 +812,8 @@ def _grid(view, rule, rows, slots):
                 if "want" in lines_of:
                     lines["want"] = [w if (j >= c and mask[b][j]) else None
                                      for j, w in enumerate(want[b])]
+                if rule is not None and rule.grid is not None:  # the rule's own lines
+                    lines.update(rule.grid(view, b))
                 grid.append(grid_row(f"row {b} (req {ids[b]})", lines, s, window))
             return grid
         valid = view.valid.bool().tolist()

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from . import predicates as P
+from . import window as W
 from .view import StepView
 
 #: what a rule's slots index (the trace renderer's grid dispatches on it)
@@ -73,6 +74,9 @@ class Rule:
     lines: tuple = ("valid", "pos")
     # view -> whether the rule applies at all (host condition)
     applies: Callable = field(default=lambda view: True)
+    # (view, row) -> {line name: cells over the forward's mask columns}: extra grid lines
+    # a trace draws for this rule (host side, only on a violation); None: none
+    grid: Callable | None = None
 
     def text(self, view: StepView | None = None, **extra) -> str:
         """The sentence filled with the view's host facts (``words``) and ``extra``."""
@@ -116,6 +120,7 @@ def words(view: StepView) -> dict:
         "dw": w - 1 + view.draft_cache_lag,
         "c": f.cache_width if f is not None else 0,
         "q": f.input_ids.shape[-1] if f is not None else 0,
+        "window": f.window if f is not None else None,
     }
 
 
@@ -606,6 +611,44 @@ def _fused_mask(f: Facts):
         bad = bad | ((fw.input_ids != tokens[:, c:span]) & valid[:, c:span]).any(dim=1)
     return bad
 
+
+# ---------------------------------------------------------------------------------------
+# I4.window: a sliding window counts positions, not slots (the tensor math: window.py)
+# ---------------------------------------------------------------------------------------
+
+def _window_limit(v: StepView):
+    return v.draft_limit if v.phase in ("verify", "commit") else None
+
+
+def _window_mask(f: Facts):
+    fw = f.view.forward
+    if not W.checked(fw) or W.malformed(fw, f.B) or _mask_malformed(f.view):
+        return None
+    return W.flags(fw, _window_limit(f.view))
+
+
+def _window_slots(f: Facts):
+    fw = f.view.forward
+    if not W.checked(fw) or W.malformed(fw, f.B) or _mask_malformed(f.view):
+        return None
+    return W.key_slots(fw, _window_limit(f.view))
+
+
+I4_WINDOW_RULES = (
+    Rule("I4.window_shape", "I4",
+         "the mask given to the model stands for every row: 4-D [B or 1, H or 1, q, C + q] = "
+         "[{B} or 1, H or 1, {q}, {c} + {q}] (or a dict of such masks per layer type)",
+         ("forward",), host=lambda v: W.malformed(v.forward, v.batch_size),
+         applies=lambda v: v.forward is not None and W.checked(v.forward),
+         slots=_mask_slots, columns="forward", lines=("mask", "valid")),
+    Rule("I4.window", "I4",
+         "each query at position p attends exactly the valid keys at positions "
+         "p - {window} + 1 .. p (a sliding window of {window} counts positions, not slots; "
+         "a full-attention layer: every valid key up to p)",
+         ("forward", "draft_limit", "phase"), mask=_window_mask, slots=_window_slots,
+         columns="forward", lines=("mask",), slot_priority=1,
+         grid=lambda v, b: W.grid_lines(v.forward, b, _window_limit(v))),
+)
 
 # ---------------------------------------------------------------------------------------
 # I6 token conservation
@@ -1393,6 +1436,8 @@ GROUPS = (
           lambda v: v.forward is not None, _fused_forward_positions),
     Group("I4.mask", "I4", I4_RULES, ("forward", "tokens", "valid", "drafts", "phase"),
           lambda v: v.forward is not None, _fused_mask),
+    Group("I4.window", "I4", I4_WINDOW_RULES, ("forward", "draft_limit", "phase"),
+          lambda v: v.forward is not None, _window_mask),
     Group("I6.state", "I6", I6_STATE_RULES, _STATE, fused=_fused_state),
     Group("I6.history", "I6", I6_HISTORY_RULES, _HISTORY, fused=_fused_history),
     Group("I6.commit", "I6", I6_COMMIT_RULES, None,

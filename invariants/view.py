@@ -38,6 +38,21 @@ class ForwardRecord:
     attention_mask: torch.Tensor
     # cache width before the forward
     cache_width: int
+    # the model's sliding window in positions (a query at position p attends keys at
+    # positions p - window + 1 .. p); None: full attention (I4.window)
+    window: int | None = None
+    # the attention mask as the model got it, when it is not ``attention_mask`` itself: a
+    # 4-D mask [B or 1, H or 1, q, cache_width + q] (bool: True attends; float: additive),
+    # or a dict layer type -> such a mask (``"sliding_attention"`` holds the window).
+    # None: the model was given ``attention_mask`` and built its causal mask and window
+    # from it over slot indices (I4.window)
+    model_mask: Any = None
+
+    def __post_init__(self):
+        w = self.window
+        if w is not None and (type(w) is not int or w < 1):
+            raise ValueError(f"a forward's sliding window is a positive number of positions "
+                             f"(None: full attention), got {w!r}")
 
 
 @dataclass(frozen=True)

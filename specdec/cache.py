@@ -484,6 +484,27 @@ def position_masks(model, attention_mask: torch.Tensor, key_positions: torch.Ten
                              window if t == "sliding_attention" else None) for t in types}
 
 
+def positions_matter(holes: bool, window: int | None) -> bool:
+    """Whether a forward's mask must be built from positions (``key_positions``): only a
+    layout with holes (slot distance differs from position distance) under a sliding
+    window (the window counts positions). Otherwise the model's own mask over slots is
+    the same mask."""
+    return holes and window is not None
+
+
+def model_mask(model, attention_mask: torch.Tensor, positions: torch.Tensor,
+               key_positions: torch.Tensor | None = None):
+    """The attention mask ``forward`` gives ``model``: ``attention_mask`` (``[B, C + q]``,
+    as long; the model builds its causal mask and window over slots), or, with
+    ``key_positions`` on a sliding-window model, the mask(s) built from positions
+    (``position_masks``). Engines record it for the checker (``ForwardRecord.model_mask``)."""
+    if key_positions is not None:
+        window = sliding_window(model)
+        if window is not None:
+            return position_masks(model, attention_mask, key_positions, positions, window)
+    return attention_mask.long()
+
+
 def new_cache(model: torch.nn.Module, capacity: int) -> SlabCache:
     """A fresh ``SlabCache`` for ``model`` holding up to ``capacity`` slots."""
     return SlabCache(num_hidden_layers(model), capacity)
@@ -498,7 +519,7 @@ def num_hidden_layers(model: torch.nn.Module) -> int:
 
 
 def forward(model, input_ids, positions, attention_mask, cache, key_positions=None,
-            last_logits: bool = False):
+            last_logits: bool = False, mask=None):
     """One forward of ``model`` over new tokens with explicit positions and mask.
 
     input_ids:      [B, q] long
@@ -511,14 +532,13 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
                     otherwise unused.
     last_logits:    compute the LM head at the last new token only (prefill: the head over
                     every prompt slot would cost more than the whole transformer).
+    mask:           ``model_mask`` of these arguments when the caller built it already
+                    (to record what the model attends with); None: built here.
     Returns logits [B, q, V] ([B, 1, V] with last_logits) and advances the cache by q.
     """
     q = input_ids.shape[1]
-    mask = attention_mask.long()
-    if key_positions is not None:
-        window = sliding_window(model)
-        if window is not None:
-            mask = position_masks(model, attention_mask, key_positions, positions, window)
+    if mask is None:
+        mask = model_mask(model, attention_mask, positions, key_positions)
     out = model(
         input_ids=input_ids,
         position_ids=positions,

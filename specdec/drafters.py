@@ -102,8 +102,8 @@ class ModelDrafter:
         ones = torch.ones(b, 1, dtype=mask.dtype, device=mask.device)
         token = batch.tokens[:, w - 1 :]
         # positions of the mask columns, needed only for a sliding window over holes
-        kpos = batch.positions[:, : w - 1] if batch.holes and \
-            cache_mod.sliding_window(self.model) is not None else None
+        kpos = batch.positions[:, : w - 1] if cache_mod.positions_matter(
+            batch.holes, cache_mod.sliding_window(self.model)) else None
         drafts, conf, seen = [], [], []
         for i in range(k + 1):  # k + 1 sequential one-token forwards (see module docstring)
             mask = torch.cat([mask, ones], dim=1)

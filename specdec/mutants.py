@@ -247,6 +247,14 @@ def _draft_realigned_one_slot_off(orig):
     return realign
 
 
+def _holes_flag_inverted(orig):
+    def positions_matter(holes, window):
+        # the holes flag read backwards: a batch with holes gets the model's own mask over
+        # slots (its window then counts holes), one without gets position masks (harmless)
+        return orig(not holes, window)
+    return positions_matter
+
+
 FAULTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("ngram_shorter_match_wins", "longest_match",
            "the n-gram drafter continues the latest match even when a longer one exists",
@@ -288,6 +296,13 @@ FAULTS: dict[str, Mutant] = {m.name: m for m in (
            module="strategies.eqspec",
            caught_by="KV provenance of the draft cache (I5.provenance, fast and strict "
                      "Monitor); a drafter equal to the target must accept every draft"),
+    Mutant("holes_flag_inverted", "positions_matter",
+           "the holes flag inverted where a forward's mask is chosen: a batch with holes on a "
+           "sliding-window model gets a window over slots, not positions (only sliding-window "
+           "models are affected)",
+           _holes_flag_inverted, ("I4", "I7"), strategy="holes", module="cache",
+           caught_by="the Monitor's I4.window (strict: at the verify forward; fast: at "
+                     "check()), tests/test_invariants_window.py"),
 )}
 
 #: every name ``apply`` takes

@@ -278,7 +278,7 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
     if cw > 0:
         ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
         cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
-        record = ForwardRecord(ids, pos, mask, 0)
+        record = ForwardRecord(ids, pos, mask, 0, window=ctx.target_window)
     ctx.drafter.prefill(batch)
     lengths = ctx.policy.admit(row_ids, batch, ctx.drafter)  # the rows' first k_b (host)
     state.admitted_lengths = list(lengths)
@@ -369,16 +369,18 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
     # holes in a sliding-window model: the window must count positions, not slots
     kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) \
-        if batch.holes and ctx.target_window is not None else None
+        if cache_mod.positions_matter(batch.holes, ctx.target_window) else None
+    given = cache_mod.model_mask(ctx.target, mask, positions, kpos)  # what the model attends with
     cache_before = batch.target_cache.width
     logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
-                               key_positions=kpos)
+                               mask=given)
     # the choice at each position: argmax, coupled choice, or rejection sampling's choice
     predictions = sampling.choose(logits, ctx.sampling, batch.row_ids, batch.generated[:, None] + i,
                                   drafts, draft_logits)
     t = timed(state, "verify", t)
     emit(ctx, state, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
-         forward=ForwardRecord(inputs, positions, mask, cache_before))
+         forward=ForwardRecord(inputs, positions, mask, cache_before, window=ctx.target_window,
+                               model_mask=given if kpos is not None else None))
 
     # -- commit: accept, correction/bonus, stop tokens, budget ---------------------------
     t = time.perf_counter()

@@ -28,12 +28,12 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3]]
 STRATEGIES = ("eqspec", "exspec", "holes")
 
 
-def run(strategy, mode="strict", **kw):
+def run(strategy, mode="strict", family="llama", **kw):
     """Every draft right (forced from the batch-1 reference), and a stop token at row 0's
     second output: row 0 commits fewer tokens than accepted + 1 at its first step (every
     row drafts k from the first step: policy="fixed" unless given)."""
     kw.setdefault("policy", "fixed")
-    target = models.tiny("llama")
+    target = models.tiny(family)
     ref = specdec.reference_generate(target, PROMPTS, max_new_tokens=6, stop_token_ids=[])
     drafter = drafters.ForcingDrafter(ref, [[] for _ in PROMPTS], models.vocab_size(target))
     mon = invariants.Monitor(mode, raise_on_violation=False)
@@ -42,10 +42,11 @@ def run(strategy, mode="strict", **kw):
     return mon, res
 
 
+@pytest.mark.parametrize("family", ["llama", models.SLIDING_FAMILY])
 @pytest.mark.parametrize("mode", ["strict", "fast"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_correct_engine_s_stats_are_the_sums_of_its_views(strategy, mode):
-    mon, res = run(strategy, mode, batch_size=3)
+def test_the_correct_engine_s_stats_are_the_sums_of_its_views(strategy, mode, family):
+    mon, res = run(strategy, mode, family, batch_size=3)
     assert mon.check() == []
     assert mon.check_stats(res.stats, res.sequences) == []
     assert res.stats.committed == sum(map(len, res.sequences)) > 0

@@ -21,6 +21,9 @@ SEARCH = settings(max_examples=60, derandomize=True, deadline=None, database=Non
                   suppress_health_check=list(HealthCheck))
 SMALL = cases(families=("llama",), max_rows=4, max_budget=6, context=64, ks=(1, 2, 4),
               strategies=("eqspec",))
+#: the sliding-window family, holes included (rows past its 24-position window: I4.window)
+SLIDING = cases(families=("mistral",), max_rows=4, max_budget=6, context=64, ks=(1, 2, 4),
+                strategies=("eqspec", "holes"))
 #: bugs that need more than 2 steps or rows to show
 LARGER = {
     # HOLES compacts only once the slack passes the threshold (0.5 by default): with the
@@ -76,7 +79,8 @@ def test_every_known_bad_engine_is_found_and_shrunk(fault):
     assert case.rows <= rows and outcome.steps_to_failure() <= steps
 
 
-def test_the_correct_engine_survives_the_same_search():
+@pytest.mark.parametrize("space", [SMALL, SLIDING], ids=["llama", "mistral"])
+def test_the_correct_engine_survives_the_same_search(space):
     with pytest.raises(NoSuchExample):
-        find(SMALL, lambda c: bool(outcome_failures(run_case(c))),
+        find(space, lambda c: bool(outcome_failures(run_case(c))),
              settings=settings(SEARCH, max_examples=40))

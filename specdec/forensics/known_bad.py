@@ -30,9 +30,12 @@ keep_after_stop         (f)    tokens after a stop token are kept (not a desync 
 ======================  =====  ================================================  ==========
 
 The naive loop itself is exact on full-attention models. On a sliding-window model it is
-not: transformers applies the window over slot indices, and holes make slot distance
-differ from position distance. No step invariant sees that (the mask given is coherent);
-only the output oracle (I7) does. ``specdec``'s holes strategy handles it explicitly.
+not: it hands the model a 2-D mask, transformers applies the window over slot indices, and
+holes make slot distance differ from position distance. Its forwards record the model's
+window, so the Monitor's ``I4.window`` (a query attends exactly the valid keys within the
+window counted in positions) flags the first forward whose slot window drops a key; the
+output oracle (I7) sees only the tokens that change. ``specdec``'s holes strategy builds
+the mask from positions instead.
 
 Every engine hands ``invariants.StepView`` objects to its hooks after each phase, with
 profile "holes", so the ``Monitor`` checks it exactly as it checks the real engine; the
@@ -48,7 +51,7 @@ from invariants.view import ForwardRecord
 
 from .. import acceptance, layout
 from ..batch import PAD_FILL, RaggedBatch, left_pad
-from ..cache import CACHE_KWARG, SlabCache, crop_dynamic
+from ..cache import CACHE_KWARG, SlabCache, crop_dynamic, sliding_window
 from .. import validation
 from ..phases import Stats
 from ..models import stop_token_ids as model_stop_ids
@@ -145,6 +148,7 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         output=torch.zeros(b, layout.output_width(max_new_tokens, k), dtype=torch.long),
         target_cache=SlabCache(1, 1))
     cache = DynamicCache()
+    window = sliding_window(target)  # recorded with every forward (I4.window)
     step_no = 0
     results: dict = {}
 
@@ -168,7 +172,7 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         pos = _model_positions(valid[:, : w - 1], positions[:, : w - 1], fault)
         _forward(target, tokens[:, : w - 1], pos, valid[:, : w - 1], cache, fault, keep=1)
         given = valid[:, : w - 1] if fault != "mask_all_ones" else torch.ones_like(valid[:, : w - 1])
-        emit("prefill", forward=ForwardRecord(tokens[:, : w - 1], pos, given, 0))
+        emit("prefill", forward=ForwardRecord(tokens[:, : w - 1], pos, given, 0, window=window))
     else:
         emit("prefill")
     drafter.prefill(st)
@@ -190,7 +194,7 @@ def _run_batch(fault, target, ids, row_offset, batch_index, *, drafter, k, max_n
         predictions = _forward(target, inputs, used, mask, cache, fault).argmax(-1)
         emit("verify", drafts=drafts, draft_limit=limit, predictions=predictions,
              forward=ForwardRecord(inputs, used, mask if fault != "mask_all_ones" else torch.ones_like(mask),
-                                   cache_before))
+                                   cache_before, window=window))
 
         accepted = acceptance.accepted_count(drafts, predictions, limit)
         committed, stopped = acceptance.committed_count(predictions, accepted, remaining, check_stops)
