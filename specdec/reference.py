@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import cache as cache_mod
+from . import compiled as compiled_mod
 from . import layout
 from .batch import left_pad
 from .hostread import DeferredRead
@@ -25,7 +26,7 @@ from .models import stop_token_ids as model_stop_ids
 
 @torch.no_grad()
 def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
-                       tokenizer=None, return_margins=False, sampling=None):
+                       tokenizer=None, return_margins=False, sampling=None, compile=None):
     """Generated ids per prompt (stop token included where one ended the row): greedy, or
     plain sampling with ``sampling`` (a ``specdec.Sampling``; request i samples with
     (seed, i), so a row's ids depend only on its prompt, the seed, i and the parameters,
@@ -37,23 +38,27 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     the scores the choice maximised (greedy: the logits; coupled: ``logits / T + G``) at
     every generated position (a list of floats; not defined in rejection mode).
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
+    ``compile``: None, ``"inductor"`` or ``"cuda-graphs"``, the compiled fast path of
+    ``specdec.generate`` (``specdec.compiled``) for this loop.
     """
     cache_mod.check_transformers()  # first: it decodes through the engine's cache
     ids, max_new_tokens, batch_size, stops = _checked_request(
         target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     sampling = sampling_mod.checked(sampling)
+    mode = compiled_mod.check(compile, target)
     if return_margins and sampling is not None and sampling.mode != "coupled":
         raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
                          "sampling maximises no score (its tokens are random samples)")
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
-    for start in range(0, len(ids), batch_size):
-        chunk = ids[start : start + batch_size]
-        out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling, start,
-                                  return_margins, stops)
-        seqs.extend(out)
-        margins.extend(marg)
+    with compiled_mod.compiled(target, mode):
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start : start + batch_size]
+            out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling,
+                                      start, return_margins, stops)
+            seqs.extend(out)
+            margins.extend(marg)
     return (seqs, margins) if return_margins else seqs
 
 
