@@ -243,3 +243,16 @@ def test_the_gpu_throughput_script_runs_in_its_cpu_smoke_mode(tmp_path):
         assert all(r["batch_size"] == 8 and r["exact_match"] == 1.0 for r in rows)
         assert all(r["vs_hf_generate"] is not None for r in rows)
         assert "vs hf" in (tmp_path / f"{name}.log").read_text()
+
+
+def test_step_ops_counts_a_plain_step_of_both_loops(capsys):
+    """benchmarks/step_ops.py: per decode step, the plain loop's aten ops and host reads
+    next to Hugging Face generate's (the plain loop reads once, issue #19)."""
+    spec = importlib.util.spec_from_file_location("step_ops", ROOT / "benchmarks" / "step_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--batch-size", "3", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    reads = next(line for line in lines if line.startswith("host reads")).split()[2:]
+    ops = next(line for line in lines if line.startswith("aten ops")).split()[2:]
+    assert float(reads[0]) == 1.0 and all(float(x) > 50 for x in ops)
