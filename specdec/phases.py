@@ -21,7 +21,7 @@ longest row, the committed counts, every row's draft length for its next step, w
 any draft lay outside the vocabulary: ``3B + 7`` integers, plus the ``B`` accepted counts
 when hooks run), needed to size the next tensors; none inside draft, verify, commit or
 the realignment gathers (issue #19: at most one host read per step, plus a constant per
-call and per prefill; ``tests/test_host_transfers.py`` counts them). It cannot be
+call and per prefill; ``tests/test_step_reads.py`` counts them). It cannot be
 deferred here: the next step's shapes (width, draft width) are host facts it carries.
 The finished rows leave in ``retire`` and ``collect`` reads every output once per call.
 
