@@ -18,7 +18,12 @@ Modes (``MODES``):
   C++ compiler: ``check`` refuses the run up front when none is on PATH);
 - ``"cuda-graphs"``: ``torch.compile(mode="reduce-overhead")`` per region: inductor
   kernels replayed as CUDA graphs, one capture per (rows, verify width) bucket, since
-  a region's shape does not depend on the cache width. CUDA only (``check``).
+  a region's shape does not depend on the cache width. CUDA only (``check``). Not yet run
+  on a GPU (no GPU in the session that wrote it): ``benchmarks/gpu_throughput.sh`` with
+  ``COMPILE=cuda-graphs`` is its first check (exactness included: the benchmark compares
+  every row with batch-1 decoding). Its outputs live in CUDA-graph memory that the next
+  replay of the same graph reuses; every region's output here is consumed (added to the
+  residual stream, or fed to the attention) before that replay.
 
 Regions are compiled once per module and mode and kept (``_COMPILED``), so later calls
 reuse them; ``compiled(model, mode)`` installs them for the duration of a call only
