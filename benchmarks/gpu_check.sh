@@ -34,13 +34,7 @@ if [ -z "$PY" ]; then
     PY=.venv/bin/python
   fi
 fi
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 
 DEVICE=cuda
 BENCH=(--model "${MODEL:-llama-1b-random}" --repeats "${REPEATS:-5}" --guard)

@@ -61,29 +61,11 @@ SETTINGS = ("cheap", "real")
 MONITORS = ("fast", "strict", "strict-phase", "deep")
 CHEAP_MODEL = "tiny:llama"
 LLAMA_1B = "llama-1b-random"
-#: Llama-3.2-1B's shape (random weights)
-LLAMA_1B_CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                       tie_word_embeddings=True, rope_theta=500000.0,
-                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
 
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def llama_1b_random(device: str, dtype: torch.dtype):
-    """A Llama-3.2-1B-shaped causal LM with seeded random weights (no download)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=dtype)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 def random_ids(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -101,8 +83,8 @@ def load(setting: str, args):
     name, device = args.model or models.DEFAULT_MODEL_NAME, args.device
     if name == LLAMA_1B:
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-        model = llama_1b_random(device, dtype)
-        return name, model, random_ids(args.prompts, 16, 256, LLAMA_1B_CONFIG["vocab_size"]), device
+        model = models.random_llama(LLAMA_1B, dtype, device)  # Llama-3.2-1B's shape
+        return name, model, random_ids(args.prompts, 16, 256, models.vocab_size(model)), device
     model, tok = models.resolve(None if name == models.DEFAULT_MODEL_NAME else name)
     model = model.to(device)
     if args.dtype:

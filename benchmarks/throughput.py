@@ -27,6 +27,21 @@ to --out.
         --batch-sizes 1 2 4 8 16 --strategies eqspec exspec holes
     python benchmarks/throughput.py --strategies holes:0 holes:0.25 holes:0.5 holes:1 exspec:32
     python benchmarks/throughput.py --dtype bfloat16     # models cast to bf16 (or float16)
+    python benchmarks/throughput.py --batch-sizes 8 --compile inductor   # compiled twins
+    python benchmarks/throughput.py --model llama-7b-random --dtype bfloat16 --device cuda \
+        --prompts 8 --prompt-tokens 64 256 --max-new-tokens 32 --batch-sizes 8 \
+        --drafters scripted:0.9 --script-from batched --policies fixed
+
+Every run also decodes with Hugging Face's own batched ``generate`` (greedy, left-padded,
+``hf-generate``) at each batch size, next to the project's plain loop (``standard``).
+``--model llama-1b-random|llama-7b-random``: random-weight Llama shapes
+(``specdec.models.RANDOM_LLAMAS``), built on ``--device``; a model without a tokenizer
+takes random prompts (``--prompt-tokens LO HI``: their lengths). ``--script-from
+batched``: scripted drafts corrupt the plain loop's batched output at the row's batch size
+rather than batch-1 decoding (in bf16 the two part early, and drafts from batch-1 are
+rejected far more than their nominal rate). ``--compile MODE`` (``inductor``,
+``cuda-graphs``): every standard and speculative configuration also runs compiled
+(``specdec.compiled``; engine names get ``+MODE``), warmed up before any timing.
 
 Honest stats: every timed run's ``Stats`` must add up against its outputs
 (``Stats.conservation``: committed = total output length, each row commits 1 to
@@ -69,7 +84,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -78,7 +93,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
-from specdec import Sampling, drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec import Sampling, compiled, drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec.reference import hf_generate  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
 
 #: the phases of decode time (prefill aside)
@@ -178,6 +194,7 @@ class Config:
     show_policy: bool = False  # name the policy (several were given)
     mode: str = "greedy"  # a name of MODES
     sampling: Sampling | None = None  # the mode's parameters (None: greedy)
+    compile: str | None = None  # specdec.compiled mode (None: eager)
     runs: list = field(default_factory=list)  # per (repeat, kind): measurements
 
     @property
@@ -185,7 +202,10 @@ class Config:
         """The configuration's name in the tables: strategy[/policy][@mode]."""
         if self.kind == "hf-lookup":
             return f"hf-lookup:{self.lookup}"
+        if self.kind == "hf-generate":
+            return "hf-generate"
         name = f"{self.strategy}/{self.policy}" if self.show_policy else self.strategy
+        name = name if self.compile is None else f"{name}+{self.compile}"
         return name if self.mode == "greedy" else f"{name}@{self.mode}"
 
 
@@ -211,11 +231,14 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
     """Decode ``ids`` with configuration ``c``: (sequences, stats or None, wall seconds,
     CPU seconds of this process). ``hooks``: the engine's step hooks (speculative
     configurations only; the timed runs have none)."""
+    sync(target)
     t0, c0 = time.perf_counter(), time.process_time()
     stats = None
     if c.kind == "standard":
         seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size,
-                                          sampling=c.sampling)
+                                          sampling=c.sampling, compile=c.compile)
+    elif c.kind == "hf-generate":
+        seqs = hf_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size)
     elif c.kind == "hf-lookup":
         seqs = hf_lookup_generate(target, ids, new, c.lookup, stops)
     else:
@@ -225,22 +248,30 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
             opts["window"] = c.batch_size
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
                               batch_size=c.batch_size, max_new_tokens=new, policy=c.policy,
-                              sampling=c.sampling, hooks=hooks, **opts)
+                              sampling=c.sampling, hooks=hooks, compile=c.compile, **opts)
         seqs, stats = res.sequences, res.stats
+    sync(target)
     return seqs, stats, time.perf_counter() - t0, time.process_time() - c0
+
+
+def sync(model) -> None:
+    """Wait for the model's device (timings on a GPU end when its kernels do)."""
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def summarise(configs: list, kinds: list) -> tuple[list, list]:
     """(overall rows, per-kind rows) from the runs of every configuration; ratios against
     standard decoding in the configuration's own mode ("vs_standard") and in greedy
     decoding ("vs_greedy_standard", wall time)."""
-    std = {(c.mode, c.batch_size): c for c in configs if c.kind == "standard"}
+    std = {(c.mode, c.batch_size): c for c in configs if c.kind == "standard" and c.compile is None}
+    hf = {c.batch_size: c for c in configs if c.kind == "hf-generate"}
     by_kind, overall = [], []
     for c in configs:
         base = std.get((c.mode, c.batch_size))
         greedy = std.get(("greedy", c.batch_size))
         per_kind = {"seconds": {}, "cpu_seconds": {}}
-        vs_greedy = {}
+        vs_greedy, vs_hf = {}, {}
         for kind in kinds:
             runs = [r for r in c.runs if r["kind"] == kind]
             if not runs:
@@ -250,11 +281,16 @@ def summarise(configs: list, kinds: list) -> tuple[list, list]:
                 per_kind[clock][kind] = statistics.median(got) if got else None
             got = _ratios(runs, greedy, kind, "seconds")
             vs_greedy[kind] = statistics.median(got) if got else None
+            got = _ratios(runs, hf.get(c.batch_size), kind, "seconds")
+            vs_hf[kind] = statistics.median(got) if got else None
             by_kind.append(_row(c, kind, runs, ratios))
             by_kind[-1]["vs_greedy_standard"] = vs_greedy[kind]
+            by_kind[-1]["vs_hf_generate"] = vs_hf[kind]
         row = _row(c, "all", c.runs, {})
         known = [v for v in vs_greedy.values() if v]
         row["vs_greedy_standard"] = geometric_mean(known) if known else None
+        known = [v for v in vs_hf.values() if v]
+        row["vs_hf_generate"] = geometric_mean(known) if known else None
         for clock, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
             known = [v for v in per_kind[clock].values() if v]
             row["vs_standard" + suffix] = geometric_mean(known) if known else None
@@ -381,6 +417,15 @@ def main(argv=None) -> int:
     ap.add_argument("--drafters", nargs="+", default=["ngram"])
     ap.add_argument("--dtype", default="float32", choices=tuple(models.DTYPES),
                     help="dtype the models are cast to (default float32)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--compile", nargs="+", default=[], choices=[m for m in compiled.MODES if m],
+                    help="also run every standard and speculative configuration compiled")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="models without a tokenizer: random prompts of LO..HI tokens "
+                         "(default: a quarter of each built-in prompt's word count)")
+    ap.add_argument("--script-from", default="batch1", choices=("batch1", "batched"),
+                    help="scripted drafts from batch-1 decoding (default) or from the plain "
+                         "loop's batched output at the row's batch size")
     ap.add_argument("--policies", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                     help="draft-length policies (default adaptive)")
     ap.add_argument("--modes", nargs="+", default=["greedy"], choices=MODES,
@@ -418,25 +463,40 @@ def main(argv=None) -> int:
     samplings = {m: None if m == "greedy" else Sampling(args.temperature, args.top_k, args.top_p,
                                                        args.seed, m) for m in modes}
 
-    target, tok = models.resolve(args.model, dtype=args.dtype)
-    draft_model = models.resolve(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
+    if args.model in models.RANDOM_LLAMAS:  # built on the device: no copy of a 7B model
+        target, tok = models.random_llama(args.model, args.dtype, args.device), None
+    else:
+        target, tok = models.resolve(args.model, dtype=args.dtype)
+        target = target.to(args.device)
+    draft_model = models.resolve(args.draft_model, dtype=args.dtype)[0].to(args.device) \
+        if args.draft_model else None
+    for mode in args.compile:
+        compiled.check(mode, target)
     vocab = models.vocab_size(target)
     stops = models.stop_token_ids(target)
     if tok is not None:
         ids = prompts.encode(chosen, tok)
     else:
         g = torch.Generator().manual_seed(0)
-        ids = [torch.randint(3, vocab, (max(1, p.word_count() // 4),), generator=g).tolist() for p in chosen]
+        lo_hi = args.prompt_tokens
+        ids = [torch.randint(3, vocab, (max(1, p.word_count() // 4) if lo_hi is None else
+                                        int(torch.randint(lo_hi[0], lo_hi[1] + 1, (1,), generator=g)),),
+                             generator=g).tolist() for p in chosen]
     new = args.max_new_tokens
     kinds = list(dict.fromkeys(p.kind for p in chosen))
     groups = {kind: [i for i, p in enumerate(chosen) if p.kind == kind] for kind in kinds}
+    if tok is None and args.prompt_tokens:  # random prompts: one kind, so batches fill up
+        kinds, groups = ["random"], {"random": list(range(len(ids)))}
 
     configs = [Config("standard", b, mode=m, sampling=samplings[m])
                for b in args.batch_sizes for m in modes]
+    configs += [Config("hf-generate", b, strategy="hf-generate") for b in args.batch_sizes]  # every run
     configs += [Config("spec", b, d, s, pol, show_policy=len(args.policies) > 1, mode=m,
                        sampling=samplings[m])
                 for b in args.batch_sizes for m in modes for d in args.drafters
                 for s in args.strategies for pol in args.policies]
+    configs += [replace(c, compile=mode, runs=[]) for mode in args.compile for c in list(configs)
+                if c.kind in ("standard", "spec")]
     if args.hf_lookup:
         configs.append(Config("hf-lookup", 1, lookup=args.hf_lookup))
 
@@ -456,6 +516,11 @@ def main(argv=None) -> int:
                         batch_size=2, max_new_tokens=4, **opts)
     if args.hf_lookup:
         hf_lookup_generate(target, ids[:1], 4, args.hf_lookup, stops)
+    hf_generate(target, ids[:2], max_new_tokens=4, batch_size=2)
+    for c in configs:  # compiled regions: compile (every batch size's shapes) before timing
+        if c.compile is not None and not c.runs:
+            run_config(replace(c, drafter=c.drafter and "ngram", runs=[]), target,
+                       ids[: c.batch_size], new, args.k, None, vocab, draft_model, stops)
     # batch-1 plain decoding per mode and kind (a configuration decodes one kind per call,
     # so a sampled row's request index is its index within its kind)
     references, ref_seconds = {}, {}
@@ -468,6 +533,10 @@ def main(argv=None) -> int:
         if bar:
             bar.update(1)
     ref_tokens = sum(len(s) for ref in references[modes[0]].values() for s in ref)
+    # what scripted drafts corrupt: batch-1 decoding, or the plain loop's batched output
+    scripts = {(b, kind): specdec.reference_generate(
+        target, [ids[i] for i in groups[kind]], max_new_tokens=new, batch_size=b)
+        for b in args.batch_sizes for kind in kinds} if args.script_from == "batched" else {}
     failures = []  # conservation rules broken by a run's Stats: no figure is printed then
     for repeat in range(args.repeats):
         for kind in kinds:
@@ -478,13 +547,14 @@ def main(argv=None) -> int:
                 if bar:
                     bar.set_postfix_str(f"{c.engine} {c.drafter or ''} batch {c.batch_size} {kind}")
                 sub_ref = references[c.mode][kind]
-                seqs, stats, secs, cpu = run_config(c, target, sub, new, args.k, sub_ref, vocab,
+                script = scripts.get((c.batch_size, kind), sub_ref)
+                seqs, stats, secs, cpu = run_config(c, target, sub, new, args.k, script, vocab,
                                                     draft_model, stops)
                 if stats is not None:
                     where = f"{kind} repeat {repeat}"
                     failures += stats_failures(c, where, stats, seqs)
                     if repeat == 0:  # the counters against the views, once per config and kind
-                        failures += verify_stats(c, target, sub, new, args.k, sub_ref, vocab,
+                        failures += verify_stats(c, target, sub, new, args.k, script, vocab,
                                                  draft_model, stops, where)
                 counts, exact = {"near-tie": None, "desync": None}, None
                 if c.mode != "rejection":  # the oracle's verdict in the configuration's batch shape (not timed)
@@ -534,7 +604,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model_name, "dtype": args.dtype, "oracle": rule, "prompts": source, "kinds": {k: len(v) for k, v in groups.items()},
+        meta = {"model": model_name, "dtype": args.dtype, "device": args.device,
+                "compile": args.compile, "script_from": args.script_from, "oracle": rule, "prompts": source, "kinds": {k: len(v) for k, v in groups.items()},
                 "max_new_tokens": new, "k": args.k, "repeats": args.repeats, "modes": modes,
                 "sampling": {m: s.as_dict() for m, s in samplings.items() if s is not None},
                 "threads": torch.get_num_threads(),
@@ -589,9 +660,10 @@ def print_kinds(by_kind: list, rows: list) -> None:
 
 def print_overall(rows: list) -> None:
     _table("\nall kinds (vs std: geometric mean over kinds of the per-kind ratios, wall time; "
-           "low: the lowest kind; cpu: the same in CPU time)",
+           "low: the lowest kind; vs hf: the same against Hugging Face generate at the same "
+           "batch size; cpu: the same in CPU time)",
            f"{'engine':<26} {'drafter':<13} {'batch':>5} {'tok/s':>7} {'dec/s':>7} {'vs std':>6} "
-           f"{'low':>5} {'vs grd':>6} {'cpu vs':>6} {'low':>5} {'vs b1':>6} {'accept':>6} {'kb':>5} "
+           f"{'low':>5} {'vs grd':>6} {'vs hf':>6} {'cpu vs':>6} {'low':>5} {'vs b1':>6} {'accept':>6} {'kb':>5} "
            f"{'group':>6} {'draft':>6} {'verify':>6} {'realign':>7} {'checks':>6} {'exact':>6} {'ties':>4} {'desync':>6}")
     for r in rows:
         sh = r["phase_shares"] or {}
@@ -599,7 +671,7 @@ def print_overall(rows: list) -> None:
         print(f"{r['engine']:<26} {str(r['drafter'] or '-'):<13} {r['batch_size']:>5} "
               f"{r['tokens_per_s']:>7.1f} {_fmt(r['decode_tokens_per_s'], '.1f', 7)} "
               f"{_fmt(r['vs_standard'], '.2f', 6)} {_fmt(r['vs_standard_min'], '.2f', 5)} "
-              f"{_fmt(r.get('vs_greedy_standard'), '.2f', 6)} "
+              f"{_fmt(r.get('vs_greedy_standard'), '.2f', 6)} {_fmt(r.get('vs_hf_generate'), '.2f', 6)} "
               f"{_fmt(r['vs_standard_cpu'], '.2f', 6)} {_fmt(r['vs_standard_min_cpu'], '.2f', 5)} "
               f"{_fmt(r.get('vs_own_batch1'), '.2f', 6)} {_fmt(r['acceptance'], '.2f', 6)} "
               f"{_fmt(r['mean_draft_length'], '.2f', 5)} {_fmt(r['group_rate'], '.2f', 6)} "

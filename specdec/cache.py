@@ -159,7 +159,12 @@ class SlabLayer(DynamicLayer):
     """One layer's view of the slab; satisfies the transformers cache-layer interface."""
 
     is_sliding = False
-    is_compileable = False
+    # True: the slab has a fixed capacity. It also keeps transformers (5.24
+    # ``masking_utils.create_causal_mask``) from reading the padding mask on the host at
+    # every one-token forward (``_ignore_causal_mask_sdpa``'s ``fast_all``: a stream sync
+    # per decode step on a GPU) to decide whether the mask can be dropped: the mask is
+    # always built, on the device (issue #19: one host read per step)
+    is_compileable = True
 
     def __init__(self, slab: _Slab, layer_idx: int):
         super().__init__()

@@ -147,7 +147,7 @@ def _encode(items, tokenizer, chat: bool) -> list[list[int]]:
 
 
 def cmd_generate(args) -> int:
-    from . import drafters, engine, models
+    from . import compiled, drafters, engine, models
 
     items = _read_prompts(args)  # files and options first: no model loads for bad input
     sampling = _sampling(args)
@@ -156,6 +156,7 @@ def cmd_generate(args) -> int:
     engine.check_option_names(plugin, options)
     plugin.check_options(options, batch_size=args.batch_size)
     target, tok = models.resolve(args.model, dtype=args.dtype)
+    compiled.check(args.compile, target)  # before any work on the prompts
     drafter = drafters.NGramDrafter()
     if args.draft_model:
         drafter = drafters.ModelDrafter(models.resolve(args.draft_model, dtype=args.dtype)[0])
@@ -163,7 +164,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                          sampling=sampling, policy=args.policy, **_strategy_options(args))
+                          sampling=sampling, policy=args.policy, compile=args.compile,
+                          **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -269,6 +271,9 @@ def main(argv=None) -> int:
                                    "SpecBench {'turns': [...], 'category': ...}")
     g.add_argument("--ids", action="store_true", help="print generated token ids as JSON lines")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--compile", default=None, choices=("inductor", "cuda-graphs"),
+                   help="the compiled fast path (default: eager): inductor (CPU: needs a C++ "
+                        "compiler) or cuda-graphs (CUDA models only); same tokens")
     _add_engine_options(g)
     _add_strategy_options(g)
     _add_sampling_options(g, "any of these turns sampling on (greedy decoding otherwise)")

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from . import cache as cache_mod
+from . import compiled as compiled_mod
 from . import policy as policy_mod
 from . import sampling as sampling_mod
 from . import strategies, validation
@@ -82,7 +83,7 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
              batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), sampling=None,
-             policy="adaptive", **options) -> Result:
+             policy="adaptive", compile=None, **options) -> Result:
     """Speculative decoding of ``prompts`` with ``target``: greedy, or sampled.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
@@ -113,6 +114,11 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     in ``[0, 1]``; default ``holes.DEFAULT_THRESHOLD``; 1 never compacts unless the cache
     is full).
 
+    ``compile``: None (eager), ``"inductor"`` or ``"cuda-graphs"`` (CUDA models only):
+    the opt-in compiled fast path (``specdec.compiled``: the width-independent regions of
+    the target's and a draft model's layers compiled, attention and every hook eager);
+    the tokens are the same.
+
     Bad input raises ``TypeError`` (a value of the wrong kind) or ``ValueError`` (out of
     range) with one line that states the rule (``specdec.validation``), before any work;
     a drafter's bad output, or a hook's write to its view, raises ``ValueError`` during
@@ -122,6 +128,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
                  batch_size=batch_size, max_new_tokens=max_new_tokens,
                  stop_token_ids=stop_token_ids, hooks=hooks)
     sampling = sampling_mod.checked(sampling)
+    mode = compiled_mod.check(compile, target)
     ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
     plugin = strategies.get(strategy)
     given = {name: v for name, v in options.items() if v is not None}
@@ -145,7 +152,12 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     if hasattr(drafter, "bind"):
         drafter.bind(ids)
     done: list = []
-    plugin.run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens, done=done)
+    draft_model = getattr(drafter, "model", None) if mode is not None else None
+    if not isinstance(draft_model, torch.nn.Module):
+        draft_model = None
+    with compiled_mod.compiled(target, mode), compiled_mod.compiled(draft_model, mode):
+        plugin.run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                   done=done)
     return Result(sequences=collect(done, len(ids)), stats=state.stats)
 
 

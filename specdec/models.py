@@ -325,11 +325,43 @@ def load(name_or_path: str, dtype=torch.float32):
     return model.eval(), tok
 
 
+#: random-weight Llama shapes for GPU measurements (no download; ``random_llama``)
+RANDOM_LLAMAS = {
+    # Llama-3.2-1B's shape
+    "llama-1b-random": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                            tie_word_embeddings=True, rope_theta=500000.0),
+    # Vicuna-7B / Llama-2-7B's shape
+    "llama-7b-random": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+}
+
+
+def random_llama(name: str, dtype=torch.float32, device=None) -> torch.nn.Module:
+    """A Llama of shape ``RANDOM_LLAMAS[name]`` with seeded random weights, built directly
+    on ``device`` (eos 2, pad 0 in its generation config), in eval mode. Random weights make
+    speed real; in reduced precision their logits are nearly tied, so batched and batch-1
+    greedy decoding part after a few tokens (fp32 stays exact)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if name not in RANDOM_LLAMAS:
+        raise ValueError(f"random Llama shapes are {', '.join(RANDOM_LLAMAS)}, got {name!r}")
+    cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **RANDOM_LLAMAS[name])
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=as_dtype(dtype))
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
 def known_names() -> str:
     """The model names ``resolve`` knows, for error messages."""
     return (f"default ({DEFAULT_MODEL_NAME}), " + ", ".join(REAL_MODELS) + ", "
             + ", ".join(f"tiny:{f}" for f in FAMILIES)
-            + ", tiny-draft:FAMILY, a local Hugging Face directory or a hub name")
+            + ", tiny-draft:FAMILY, " + ", ".join(RANDOM_LLAMAS)
+            + ", a local Hugging Face directory or a hub name")
 
 
 def resolve(name: str | None, dtype=torch.float32):
@@ -352,6 +384,8 @@ def resolve(name: str | None, dtype=torch.float32):
             return make(family, dtype=dtype), None
     if name in REAL_MODELS:
         return load(name, dtype=dtype)
+    if name in RANDOM_LLAMAS:
+        return random_llama(name, dtype=dtype), None
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

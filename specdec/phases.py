@@ -18,8 +18,19 @@ After each phase every hook is called as ``hook(phase, view)`` with a read-only
 
 Host synchronisation: one small transfer per step (``sync``: which rows finished, the
 longest row, the committed counts, every row's draft length for its next step, whether
-any draft lay outside the vocabulary: ``3B + 6`` integers), needed to size the next
-tensors; none inside draft, verify, commit or the realignment gathers.
+any draft lay outside the vocabulary: ``3B + 7`` integers, plus the ``B`` accepted counts
+when hooks run), needed to size the next tensors; none inside draft, verify, commit or
+the realignment gathers (issue #19: at most one host read per step, plus a constant per
+call and per prefill; ``tests/test_step_reads.py`` counts them). It cannot be
+deferred here: the next step's shapes (width, draft width) are host facts it carries.
+The finished rows leave in ``retire`` and ``collect`` reads every output once per call.
+
+Step costs on a GPU: the policy's step timings (``StepCost``) are host-clock intervals
+(``perf_counter`` on CUDA, this process's CPU time on a CPU) from before a step's draft
+to after its realignment; they time the GPU's draft, verify and commit kernels only
+because the step's one read waits for them (the realignment's kernels land in the next
+interval), so they add no synchronisation of their own. A loop that deferred the read
+would time the host's enqueueing instead, and would need CUDA events read with it.
 
 Draft lengths (``specdec/policy.py``): each step, row ``b`` drafts ``k_b`` tokens
 (``0 <= k_b <= k``, the policy's ``lengths``), may use ``min(k_b, remaining - 1)`` of them
@@ -414,7 +425,9 @@ def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep
     used = spec.lengths.sum() if spec.lengths is not None else torch.zeros_like(max_n)
     scalars = torch.stack([max_n, spec.limit.sum(), spec.accepted.sum(), spec.committed.sum(),
                            bad, next_k, used])  # [7] long
-    host = torch.cat([batch.finished.long(), spec.committed, nxt, scalars]).tolist()
+    # [3B + 7 (+ B)]: with hooks the per-row accepted counts ride on the same read
+    parts = [batch.finished.long(), spec.committed, nxt, scalars]
+    host = torch.cat(parts + [spec.accepted] if ctx.hooks else parts).tolist()
     timed(state, "realign", t)  # the wait for the read (as before: realign's)
     if host[3 * b + 4]:
         validation.raise_bad_drafts(spec.proposed, spec.bad_drafts, batch.row_ids, ctx.vocab,
@@ -428,7 +441,7 @@ def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep
     st.row_steps += b
     st.widths[spec.k + 1] = st.widths.get(spec.k + 1, 0) + 1
     if ctx.hooks:
-        st.accepted_history.append(spec.accepted.tolist())
+        st.accepted_history.append(host[3 * b + 7 :])
     state.step += 1
     return HostStep([bool(f) for f in host[:b]], host[3 * b], host[b : 2 * b],
                     host[2 * b : 3 * b], host[3 * b + 5])
@@ -488,9 +501,15 @@ def run_batch(ctx: Context, state: State, prompts, row_ids, budgets, done: list,
 
 
 def collect(done: list, count: int) -> list[list[int]]:
-    """Host-side assembly of finished rows into per-prompt lists (once per call)."""
+    """Host-side assembly of finished rows into per-prompt lists: one host read per call
+    (every finished row's request index, length and output in one tensor)."""
     seqs: list = [None] * count
-    for row_ids, output, generated in done:
-        for r, out, g in zip(row_ids.tolist(), output.tolist(), generated.tolist()):
-            seqs[r] = out[:g]
+    if not done:
+        return seqs
+    width = max(output.shape[1] for _, output, _ in done)
+    table = torch.cat([torch.cat([row_ids[:, None], generated[:, None],
+                                  torch.nn.functional.pad(output, (0, width - output.shape[1]))],
+                                 dim=1) for row_ids, output, generated in done])  # [N, 2 + width]
+    for r, g, *out in table.tolist():
+        seqs[r] = out[:g]
     return seqs

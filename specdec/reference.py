@@ -2,7 +2,9 @@
 equivalence.
 
 Batch 1, or left-padded batches (every row grows by one token per step, so no
-realignment is needed: the mask and positions simply extend). It runs through the same
+realignment is needed: the mask and positions simply extend). One host read per step
+(has every row finished?), deferred by one forward (``hostread.DeferredRead``), and one
+per batch for its outputs (issue #19). It runs through the same
 forward path as the engine (``specdec.cache.forward`` over a ``SlabCache``) with explicit
 positions and masks. Rows that finished keep being computed (their tokens are ignored),
 as in Hugging Face batched generation.
@@ -13,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from . import cache as cache_mod
+from . import compiled as compiled_mod
 from . import layout
 from .batch import left_pad
+from .hostread import DeferredRead
 from . import sampling as sampling_mod
 from . import validation
 from .models import stop_token_ids as model_stop_ids
@@ -22,7 +26,7 @@ from .models import stop_token_ids as model_stop_ids
 
 @torch.no_grad()
 def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
-                       tokenizer=None, return_margins=False, sampling=None):
+                       tokenizer=None, return_margins=False, sampling=None, compile=None):
     """Generated ids per prompt (stop token included where one ended the row): greedy, or
     plain sampling with ``sampling`` (a ``specdec.Sampling``; request i samples with
     (seed, i), so a row's ids depend only on its prompt, the seed, i and the parameters,
@@ -34,23 +38,27 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     the scores the choice maximised (greedy: the logits; coupled: ``logits / T + G``) at
     every generated position (a list of floats; not defined in rejection mode).
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
+    ``compile``: None, ``"inductor"`` or ``"cuda-graphs"``, the compiled fast path of
+    ``specdec.generate`` (``specdec.compiled``) for this loop.
     """
     cache_mod.check_transformers()  # first: it decodes through the engine's cache
     ids, max_new_tokens, batch_size, stops = _checked_request(
         target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     sampling = sampling_mod.checked(sampling)
+    mode = compiled_mod.check(compile, target)
     if return_margins and sampling is not None and sampling.mode != "coupled":
         raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
                          "sampling maximises no score (its tokens are random samples)")
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
-    for start in range(0, len(ids), batch_size):
-        chunk = ids[start : start + batch_size]
-        out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling, start,
-                                  return_margins)
-        seqs.extend(out)
-        margins.extend(marg)
+    with compiled_mod.compiled(target, mode):
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start : start + batch_size]
+            out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling,
+                                      start, return_margins, stops)
+            seqs.extend(out)
+            margins.extend(marg)
     return (seqs, margins) if return_margins else seqs
 
 
@@ -64,7 +72,8 @@ def _checked_request(target, prompts, tokenizer, max_new_tokens, batch_size, sto
     return ids, max_new_tokens, batch_size, model_stop_ids(target) if stops is None else stops
 
 
-def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_row, margins):
+def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_row, margins,
+                  stops):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
@@ -81,15 +90,21 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_
         outs.append(nxt)
         if margins:
             margs.append(sampling_mod.choice_margins(logits, sampling, row_ids, at[:, 0]))
-        alive = alive & ~torch.isin(nxt, stop_t)
-        if not bool(alive.any()) or len(outs) == max_new_tokens:
+        if len(outs) == max_new_tokens:  # the budget: a host fact, no read
             break
+        alive = alive & ~torch.isin(nxt, stop_t)
+        # the step's one host read, deferred by a forward: the copy starts now, the next
+        # forward is queued, then the host waits for the copy alone (rows finish rarely;
+        # when they all did, that forward is wasted and its logits dropped)
+        some_alive = DeferredRead(alive.any())
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
         logits = cache_mod.forward(target, nxt[:, None], pos[:, None], mask, cache)[:, -1]
         pos = pos + 1
+        if not some_alive.tolist():
+            break
     out = torch.stack(outs, dim=1).tolist()
     marg = torch.stack(margs, dim=1).tolist() if margins else [[] for _ in out]
-    stop_set = set(stop_t.tolist())
+    stop_set = set(stops)
     seqs, margins = [], []
     for row, mrow in zip(out, marg):  # host-side trimming of the final result
         cut = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))

@@ -30,11 +30,12 @@ def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_pat
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
     got = {(r["strategy"], r["batch_size"]) for r in rows}
-    assert got == {(s, b) for s in ("standard", "eqspec", "holes", "exspec") for b in (1, 3)}
+    assert got == {(s, b) for s in ("standard", "hf-generate", "eqspec", "holes", "exspec")
+                   for b in (1, 3)}
     assert all(r["exact_match"] == 1.0 and r["near_ties"] == r["desyncs"] == 0 for r in rows)
     assert data["meta"]["dtype"] == "float32" and "calibrated" in data["meta"]["oracle"]
     for r in rows:
-        if r["strategy"] != "standard":
+        if r["strategy"] not in ("standard", "hf-generate"):
             assert sum(r["phase_shares"].values()) == pytest.approx(1.0)
     summary = data["realign_summary"]
     assert [s["batch_size"] for s in summary] == [1, 3]
@@ -72,9 +73,12 @@ def test_benchmark_reads_specbench_jsonl_and_reports_per_kind(throughput, tmp_pa
         assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0 and r["vs_standard"] > 0
         if name == "standard":
             assert r["vs_standard"] == 1.0 and r["acceptance"] is None
+        elif name == "hf-generate":  # Hugging Face's own loop, in every run
+            assert r["acceptance"] is None and r["vs_hf_generate"] == 1.0
         else:
             assert 0 <= r["acceptance"] <= 1 and 0 <= r["mean_draft_length"] <= 3
-    assert {name for _, name in by_kind} == {"standard", "eqspec/adaptive", "eqspec/fixed"}
+    assert {name for _, name in by_kind} == {"standard", "hf-generate", "eqspec/adaptive",
+                                             "eqspec/fixed"}
     # fixed: k drafts per row-step except where the budget (6 tokens) cuts the last ones
     assert all(r["mean_draft_length"] > 2 for (_, n), r in by_kind.items() if n == "eqspec/fixed")
     out = capsys.readouterr().out
@@ -241,3 +245,38 @@ def test_width_cost_prices_every_width_and_its_break_even(tmp_path, capsys):
     assert "p*" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--k must be at least 1"):
         bench.main(["--model", "tiny:llama", "--k", "0"])
+
+
+def test_the_gpu_throughput_script_runs_in_its_cpu_smoke_mode(tmp_path):
+    """benchmarks/gpu_throughput.sh (issue #19's side-by-side GPU comparison) runs every
+    step on the CPU with SMOKE=1: the plain loop, Hugging Face generate and the strategies
+    with scripted drafts from the batched reference, each exact in fp32."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_throughput.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for name, strategies in (("throughput-7b-bf16", {"eqspec", "holes"}),
+                             ("throughput-1b-fp32", {"eqspec", "holes", "exspec"})):
+        data = json.loads((tmp_path / name / "results.json").read_text())
+        rows = data["rows"]
+        assert {r["strategy"] for r in rows} == {"standard", "hf-generate"} | strategies
+        assert data["meta"]["script_from"] == "batched" and data["meta"]["kinds"] == {"random": 4}
+        assert all(r["batch_size"] == 8 and r["exact_match"] == 1.0 for r in rows)
+        assert all(r["vs_hf_generate"] is not None for r in rows)
+        assert "vs hf" in (tmp_path / f"{name}.log").read_text()
+
+
+def test_step_ops_counts_a_plain_step_of_both_loops(capsys):
+    """benchmarks/step_ops.py: per decode step, the plain loop's aten ops and host reads
+    next to Hugging Face generate's (the plain loop reads once, issue #19)."""
+    spec = importlib.util.spec_from_file_location("step_ops", ROOT / "benchmarks" / "step_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--batch-size", "3", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    reads = next(line for line in lines if line.startswith("host reads")).split()[2:]
+    ops = next(line for line in lines if line.startswith("aten ops")).split()[2:]
+    assert float(reads[0]) == 1.0 and all(float(x) > 50 for x in ops)
