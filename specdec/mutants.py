@@ -277,18 +277,18 @@ FAULTS: dict[str, Mutant] = {m.name: m for m in (
            "right of its plan; tokens, masks, positions and widths stay right",
            _gather_one_slot_right, ("I5", "I7"), strategy="eqspec", module="cache",
            caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the next "
-                     "realign view; deep I5 and I7"),
+                     "verify view, before the cache is used again; deep I5 and I7"),
     Mutant("row_drop_reversed", "rows_leaving",
            "when rows finish, the caches copy the finished rows onto the staying rows that "
            "should fill their places (the wrong direction); the row tensors stay right",
            _drop_copies_backwards, ("I5", "I7"), strategy="eqspec", module="batch",
-           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the realign "
+           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the verify "
                      "view after a row drop; deep I5 and I7"),
     Mutant("exspec_pool_late", "write_back",
            "EXSPEC writes the target's new KV back into its pool one slot late",
            _pool_one_slot_late, ("I5", "I7"), strategy="exspec", module="strategies.exspec",
-           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the realign "
-                     "view that loads the pool; deep I5 and I7"),
+           caught_by="KV provenance (I5.provenance, fast and strict Monitor) at the verify "
+                     "view after the pool load; deep I5 and I7"),
     Mutant("draft_cache_lag_off_by_one", "realign",
            "EQSPEC realigns the drafter's cache as if it lagged the target's by one slot more "
            "than it does (its gather one slot to the left); widths stay right",
