@@ -188,10 +188,11 @@ class StepCosts:
     ones, and past the widest measured extrapolated with the slope of the last two
     measured widths but at most ``slope`` (``PRIOR_SLOPE``: optimism, so that a wider step
     is tried and measured once the evidence favours it); with no measurement beyond width
-    1, ``1 + slope (w - 1)``. Before a plain step over ``rows`` rows was measured it
-    returns None: the policy then plans a plain step, which costs what plain decoding
-    costs and measures the base every ratio needs (borrowing another batch size's base
-    would misprice width: a step over 2 rows is far cheaper per column than over 8).
+    1, ``1 + slope (w - 1)``. Before a plain step over ``rows`` rows was measured, the
+    ratios of the nearest batch size that has one stand in (the nearest larger first: rows
+    leave a batch one by one as they finish, so 7 rows borrow what 8 measured); with no
+    plain step measured at any batch size it returns None: the policy then plans a plain
+    step, which costs what plain decoding costs and measures the base every ratio needs.
     """
 
     def __init__(self, slope: float = PRIOR_SLOPE, decay: float = COST_DECAY):
@@ -207,10 +208,14 @@ class StepCosts:
 
     def ratios(self, rows: int, widths: int) -> list[float] | None:
         """``[r(1), .., r(widths)]`` for a step over ``rows`` rows (None: no plain step
-        over ``rows`` rows measured yet)."""
+        measured at any batch size yet)."""
         t = self.seconds.get(rows, {})
         if 1 not in t:
-            return None
+            based = [n for n, table in self.seconds.items() if 1 in table]
+            if not based:
+                return None
+            larger = [n for n in based if n > rows]
+            t = self.seconds[min(larger) if larger else max(based)]
         points = {w: s / t[1] for w, s in t.items()}
         known = sorted(points)
         out = []

@@ -272,7 +272,14 @@ def test_step_costs_interpolate_extrapolate_and_start_from_the_prior():
     c.observe(1, 8, 0.40)  # a moving average
     assert c.seconds[8][1] == pytest.approx(0.7 * 0.30 + 0.3 * 0.40)
     c.observe(3, 7, 0.5)
-    assert c.ratios(7, 3) is None  # another batch size's base is never borrowed
+    # no plain step over 7 rows: the nearest larger batch size's ratios stand in (rows
+    # leave one by one), else the nearest smaller one's
+    assert c.ratios(7, 3) == c.ratios(8, 3)
+    c.observe(1, 2, 0.1)
+    c.observe(2, 2, 0.3)
+    assert c.ratios(9, 2) == c.ratios(8, 2) and c.ratios(1, 2) == pytest.approx([1.0, 3.0])
+    c.observe(1, 7, 0.25)  # its own base, once measured, with its own widths
+    assert c.ratios(7, 3) == pytest.approx([1.0, 1.5, 2.0])
 
 
 def test_a_batch_size_without_a_measured_plain_step_gets_one():
