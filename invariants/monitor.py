@@ -276,7 +276,7 @@ class Monitor(Checker):
         self._snapshot = None
         # I5 provenance and the draft cache's lag (invariants/provenance.py)
         self._kv = PV.KVProvenance(self.remember_rows, provenance="I5" in self.invariants,
-                                   lag="I1" in self.invariants) \
+                                   lag="I1" in self.invariants, defer=self.mode == "fast") \
             if "I5" in self.invariants or "I1" in self.invariants else None
 
     @property
@@ -487,6 +487,8 @@ class Monitor(Checker):
     def read(self) -> None:
         if self._deferred:
             self._settle()
+        if self._kv is not None:  # fast mode: the run's target-cache provenance, at once
+            self._kv.settle(self._consts)
         super().read()
 
     def _advance(self, view: StepView) -> None:

@@ -78,8 +78,18 @@ LAG_RULE = Rule(
     "target's: draft widths {draft} = target widths {target}, declared lag {lag}",
     ("cache_widths", "draft_cache_widths", "draft_cache_lag"))
 
+#: what a fast-mode trace says when a view's tensors changed before the check could read them
+STALE = ("the target cache's provenance of this view could not be checked: fast mode "
+         "reads the view's positions, valid, row ids and forward inputs at check(), and "
+         "the engine modified one of them in place after handing the view over (hand "
+         "hooks tensors the engine no longer writes, or use strict mode)")
+
 #: phases at which the drafter's cache must have the target cache's width
 LAG_PHASES = ("prefill", "verify", "commit", "realign")
+
+#: fast mode: a run's target forwards whose checks wait for ``settle`` (the read); past
+#: this many, the run is replayed into the table and checked in the hooks again
+MAX_DEFERRED = 512
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -206,13 +216,20 @@ class KVProvenance:
     (rows with a slot that lost its provenance), or one with a host failure (the lag
     rule), or None."""
 
-    def __init__(self, capacity: int, *, provenance: bool = True, lag: bool = True):
+    def __init__(self, capacity: int, *, provenance: bool = True, lag: bool = True,
+                 defer: bool = False):
         self.capacity = capacity
         self.check_provenance, self.check_lag = provenance, lag
         self.tables: dict = {}  # "target" | "draft" -> Table
         #: forwards recorded, and views whose old slots were checked, per cache (host counts)
         self.recorded = {"target": 0, "draft": 0}
         self.checked = {"target": 0, "draft": 0}
+        #: fast mode: the target cache's records and checks wait for ``settle`` (see
+        #: "Fast mode" in the module docstring); False once a run passed MAX_DEFERRED
+        self.defer = defer
+        self._items: list = []  # the run's target-cache events, in order (_Admit, _Forward)
+        self._forwards = 0
+        self._replay = None  # (Table, items replayed, {id(item): [B, C] mismatches or None})
 
     @staticmethod
     def _ends(get, first: int = 0, last: int | None = None):
@@ -237,22 +254,30 @@ class KVProvenance:
 
     def __call__(self, view: StepView) -> Entry | None:
         lag = self.check_lag and self._lag_broken(view)
-        bad = None
+        bad, waiting = None, None
         if self.check_provenance:
             try:
-                bad = self._provenance(view)
+                bad, waiting = self._provenance(view)
             except (RuntimeError, IndexError, ValueError, AttributeError, TypeError):
-                bad = None  # a cache of the wrong shape: I1 says why
-        if not lag and bad is None:
+                bad, waiting = None, None  # a cache of the wrong shape: I1 says why
+        if not lag and bad is None and waiting is None:
             return None
         masks = []
+        rows = None
         if bad is not None:
             rows = bad[0][1].any(dim=1)
             for _, more in bad[1:]:
                 rows = rows | more.any(dim=1)
+        if waiting is not None:  # filled by ``settle``, before the read
+            waiting.rows, waiting.index = rows, len(masks)
+            masks.append(None)
+        elif rows is not None:
             masks.append(rows)
-        return Entry(masks, bool(lag), {"view": view, "provenance": bad or [],
-                                        "lag": lag})
+        entry = Entry(masks, bool(lag), {"view": view, "provenance": bad or [], "lag": lag})
+        if waiting is not None:
+            waiting.entry = entry
+            entry.context["deferred"] = (self, waiting)
+        return entry
 
     # -- the lag ------------------------------------------------------------------------
     @staticmethod
@@ -264,25 +289,34 @@ class KVProvenance:
     # -- records and checks ---------------------------------------------------------------
     def _provenance(self, view: StepView):
         """Check the slots a phase's forward found in a cache, then record what it wrote:
-        ``[(cache name, [B, C] bool mismatches)]`` or None."""
+        (``[(cache name, [B, C] bool mismatches)]`` or None, the target forward whose
+        check waits (fast mode) or None)."""
         phase = view.phase
         target, draft = view.cache_tensors, view.draft_cache_tensors
-        bad = []
+        bad, waiting = [], None
         if phase == "prefill":
             for name, get in (("target", target), ("draft", draft)):
                 if get is not None:
-                    self._table(name, view).admit(view.row_ids, self.capacity)
+                    if name == "target" and self.defer:
+                        self._items.append(_Admit(view))
+                    else:
+                        self._table(name, view).admit(view.row_ids, self.capacity)
         f = view.forward
         if phase in ("prefill", "verify") and target is not None and f is not None:
             first, q = f.cache_width, f.input_ids.shape[1]
             kv = self._ends(target, 0, first + q)
             if kv is not None and kv[0].shape[1] == first + q and q > 0:
-                table = self._table("target", view)
                 fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
-                if first:
-                    bad.append(("target", self._check("target", table, view, fp[:, :first])))
-                table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
-                             f.attention_mask[:, first:].bool())
+                if self.defer:  # only the fingerprint now: the cache changes in place
+                    waiting = _Forward(view, fp, first, q)
+                    self._items.append(waiting)
+                    self._forwards += 1
+                    self.checked["target"] += bool(first)
+                else:
+                    b = _forward(self._table("target", view), view, fp, first, q)
+                    if first:
+                        self.checked["target"] += 1
+                        bad.append(("target", b))
                 self.recorded["target"] += 1
         if phase in ("prefill", "draft") and draft is not None:
             first = 0 if phase == "prefill" else view.width - 1
@@ -296,7 +330,9 @@ class KVProvenance:
                 pos, valid = slot_layout(view, c)
                 table.record(view.row_ids, fp[:, first:], pos[:, first:], valid[:, first:])
                 self.recorded["draft"] += 1
-        return bad or None
+        if waiting is not None and self._forwards >= MAX_DEFERRED:
+            self._stop_deferring()
+        return bad or None, waiting
 
     def _check(self, name: str, table: Table, view: StepView, fp: torch.Tensor) -> torch.Tensor:
         """[B, C] bool: the slots of ``fp`` (a cache's first ``C <= W - 1`` slots, as the
@@ -305,6 +341,195 @@ class KVProvenance:
         pos, valid = slot_layout(view, fp.shape[1])
         self.checked[name] += 1
         return table.mismatches(view.row_ids, fp, pos, valid)
+
+    # -- fast mode: the target cache's records and checks, once per run --------------------
+    def settle(self, consts) -> None:
+        """Fill the mask of every target forward still waiting (fast mode, before the
+        read): the rows ``detect`` flags, or'ed with the hook's draft-cache rows. A
+        forward whose view tensors were modified in place since its hook cannot be
+        checked from them: its entry then carries a host failure that says so."""
+        waiting = [it for it in self._items
+                   if type(it) is _Forward and it.entry.masks[it.index] is None]
+        if not waiting:
+            return
+        flags = detect([it for it in self._items if type(it) is _Forward])
+        for it in waiting:
+            m = flags[id(it)]
+            if it.stale():
+                it.entry.host_failure = True
+                it.entry.context["stale"] = True
+                m = consts.zeros(m.shape[0], m.device)
+            it.entry.masks[it.index] = m if it.rows is None else m | it.rows
+
+    def exact(self, item) -> torch.Tensor | None:
+        """[B, C] bool mismatches of a waiting target forward (None: nothing checked), as
+        the hook would have found them: the run's events replayed in order into a fresh
+        table, up to ``item`` (on a flagged row only: host side of a report)."""
+        if self._replay is None:
+            self._replay = (Table(item.view.device), 0, {})
+        table, done, found = self._replay
+        for it in self._items[done:]:
+            if type(it) is _Admit:
+                table.grow(it.view.width + it.view.k + 1)
+                table.admit(it.view.row_ids, self.capacity)
+            else:
+                table.grow(it.view.width + it.view.k + 1)
+                try:
+                    found[id(it)] = _forward(table, it.view, it.fp, it.first, it.q)
+                except (RuntimeError, IndexError, ValueError, AttributeError, TypeError):
+                    found[id(it)] = None  # the hook's exception: nothing checked
+            done += 1
+            if it is item:
+                break
+        self._replay = (table, done, found)
+        return found.get(id(item))
+
+    def _stop_deferring(self) -> None:
+        """A run past ``MAX_DEFERRED`` target forwards: replay its events into the table
+        (which the hooks use from now on) and check in the hooks again, so the memory a
+        run keeps stays bounded."""
+        if self._items:
+            self.exact(self._items[-1])
+            self.tables["target"] = self._replay[0]
+        self.defer = False
+
+
+def _forward(table: Table, view: StepView, fp: torch.Tensor, first: int, q: int):
+    """A target forward: check the ``first`` slots it found (``[B, first]`` mismatches, or
+    None when ``first`` is 0), then record the ``q`` slots it wrote."""
+    table.grow(view.width + view.k + 1)
+    f = view.forward
+    bad = None
+    if first:
+        pos, valid = slot_layout(view, first)
+        bad = table.mismatches(view.row_ids, fp[:, :first], pos, valid)
+    table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
+                 f.attention_mask[:, first:].bool())
+    return bad
+
+
+class _Admit:
+    """A prefill that started fresh records for its rows (fast mode: replayed on a flag)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view):
+        self.view = view
+
+
+class _Forward:
+    """A target forward whose records and checks wait (fast mode): its view, the
+    fingerprints ``fp`` [B, first + q] taken in the hook, and the tensors ``detect`` reads
+    with their version counters then."""
+
+    __slots__ = ("view", "fp", "first", "q", "tensors", "versions", "entry", "index", "rows")
+
+    def __init__(self, view: StepView, fp: torch.Tensor, first: int, q: int):
+        self.view, self.fp, self.first, self.q = view, fp, first, q
+        f = view.forward
+        self.tensors = (view.positions, view.valid, view.row_ids, f.positions,
+                        f.attention_mask)
+        self.versions = tuple(t._version for t in self.tensors)
+        self.entry = self.index = self.rows = None
+
+    def stale(self) -> bool:
+        return tuple(t._version for t in self.tensors) != self.versions
+
+
+#: keys of ``detect``: request id * SPAN + position
+SPAN = 1 << 31
+
+
+def detect(forwards: list) -> dict:
+    """{id(forward): [B] bool}: rows of each target forward (a ``_Forward``, in run
+    order) with a valid slot whose fingerprint differs from the latest earlier record of
+    (its request, its position) among the forwards' records, every forward at once: one
+    stable sort of all (request, position) keys in time order, and a running maximum
+    that finds each check's latest record.
+
+    It flags every row the table of the hooks flags (``exact``): that table holds the
+    same latest records, less those of requests it forgot (capacity) or started afresh
+    (a new prefill), and judges no position without a record. A row flagged here that
+    the table would not flag is reported by no one (``describe`` reads ``exact``). A
+    position outside what the table holds (negative, or past ``W + k`` of its forward,
+    where the table's own indexing would wrap or raise) or a request id past the keys
+    flags every row of every forward, for ``exact`` to judge; so do two writes of one
+    (request, position) by one forward (which the table keeps is not defined), and a
+    forward of a shape it does not expect."""
+    out, fields, plan = {}, [], []
+    i = 0
+    while i < len(forwards):  # consecutive forwards of one batch size: one block
+        b = forwards[i].fp.shape[0]
+        j = i
+        while j < len(forwards) and forwards[j].fp.shape[0] == b:
+            j += 1
+        block = forwards[i:j]
+        pos, flag, rid, rec, limit, start = [], [], [], [], [], []
+        for it in block:
+            v, f, c, q = it.view, it.view.forward, it.first, it.q
+            dev = it.fp.device
+            fpos = f.positions
+            pos += [v.positions[:, :c], fpos if fpos.shape[0] == b else fpos.expand(b, q)]
+            flag += [v.valid[:, :c], f.attention_mask[:, c:]]
+            rid.append(v.row_ids[:, None].expand(b, c + q))
+            rec += [_block(b, c, False, dev), _block(b, q, True, dev)]
+            limit.append(_block(b, c + q, v.width + v.k + 1, dev))
+            start.append(_block(b, c + q, None, dev))
+        # [B, N] each, then column-major (time first, then row) and flat
+        cols = [torch.cat(x, 1).t().reshape(-1) for x in
+                ([it.fp for it in block], pos, flag, rid, rec, limit, start)]
+        fields.append(cols)
+        plan.append((block, b))
+        i = j
+    fp, pos, flag, rid, rec, limit, start = (torch.cat(x) if len(fields) > 1 else x[0]
+                                             for x in zip(*fields))
+    pos, rid, flag = pos.long(), rid.long(), flag != 0
+    outside = flag & ((pos < 0) | (pos >= limit) | (rid.abs() >= SPAN))
+    key = rid * SPAN + pos
+    skey, order = torch.sort(key, stable=True)  # equal keys stay in time order
+    s_fp, s_flag, s_rec = fp[order], flag[order], rec[order]
+    written = s_rec & s_flag
+    # one forward writing one (request, position) twice (a request in two rows): which
+    # write the table keeps is not defined, so every row is flagged for ``exact``
+    s_forward = start.cumsum(0)[order]
+    twice = written[1:] & written[:-1] & (skey[1:] == skey[:-1]) \
+        & (s_forward[1:] == s_forward[:-1])
+    anywhere = outside.any() | twice.any()
+    n = key.shape[0]
+    latest = torch.where(written, torch.arange(n, device=key.device), -1).cummax(0).values
+    at = latest.clamp(min=0)
+    s_bad = (latest >= 0) & (skey[at] == skey) & (s_fp[at] != s_fp) & s_flag & ~s_rec
+    bad = torch.zeros_like(s_bad).index_put_((order,), s_bad) | anywhere
+    at = 0
+    for block, b in plan:
+        for it in block:
+            width = it.first + it.q
+            rows = bad[at : at + width * b].view(width, b).any(dim=0)
+            if it.first > it.view.width - 1 or it.fp.shape[1] != width:
+                rows = torch.ones_like(rows)  # slot_layout's extra slots: ``exact`` judges
+            out[id(it)] = rows
+            at += width * b
+    return out
+
+
+_BLOCKS: dict = {}
+
+
+def _block(b: int, n: int, value, device) -> torch.Tensor:
+    """[b, n], all ``value`` (bool, or long for an int; None: long, 1 at [0, 0] and 0
+    elsewhere, a forward's first slot), made by fill kernels once per shape, value and
+    device."""
+    key = (b, n, value, type(value), device)
+    t = _BLOCKS.get(key)
+    if t is None:
+        if len(_BLOCKS) >= 4096:
+            _BLOCKS.clear()
+        dtype = torch.bool if type(value) is bool else torch.long
+        t = torch.full((b, n), 0 if value is None else value, dtype=dtype, device=device)
+        if value is None and b and n:
+            t[:1, :1].fill_(1)
+        _BLOCKS[key] = t
+    return t
 
 
 def describe(entry: Entry, rows: list, limit: int = 4):
@@ -317,11 +542,19 @@ def describe(entry: Entry, rows: list, limit: int = 4):
                              target=list(view.cache_widths), lag=view.draft_cache_lag)
         return "I1", list(range(view.batch_size)), [[] for _ in range(view.batch_size)], \
             [f"{LAG_RULE.id}: {text}"]
+    if ctx.get("stale"):
+        return "I5", list(range(view.batch_size)), [[] for _ in range(view.batch_size)], \
+            [f"{RULE.id}: {STALE}"]
     flagged = [b for b, x in enumerate(rows[0]) if x] if rows else []
     if not flagged:
         return None
+    found = ctx["provenance"]
+    if "deferred" in ctx:  # fast mode: the hook's own check, replayed (see ``exact``)
+        kv, item = ctx["deferred"]
+        target = kv.exact(item)
+        found = ([("target", target)] if target is not None else []) + list(found)
     ids = view.row_ids.tolist()
-    for name, bad in ctx["provenance"]:
+    for name, bad in found:
         host = bad.tolist()
         mine = [b for b in flagged if any(host[b])]
         if not mine:
