@@ -78,12 +78,6 @@ LAG_RULE = Rule(
     "target's: draft widths {draft} = target widths {target}, declared lag {lag}",
     ("cache_widths", "draft_cache_widths", "draft_cache_lag"))
 
-#: what a fast-mode trace says when a view's tensors changed before the check could read them
-STALE = ("the target cache's provenance of this view could not be checked: fast mode "
-         "reads the view's positions, valid, row ids and forward inputs at check(), and "
-         "the engine modified one of them in place after handing the view over (hand "
-         "hooks tensors the engine no longer writes, or use strict mode)")
-
 #: phases at which the drafter's cache must have the target cache's width
 LAG_PHASES = ("prefill", "verify", "commit", "realign")
 
@@ -345,9 +339,7 @@ class KVProvenance:
     # -- fast mode: the target cache's records and checks, once per run --------------------
     def settle(self, consts) -> None:
         """Fill the mask of every target forward still waiting (fast mode, before the
-        read): the rows ``detect`` flags, or'ed with the hook's draft-cache rows. A
-        forward whose view tensors were modified in place since its hook cannot be
-        checked from them: its entry then carries a host failure that says so."""
+        read): the rows ``detect`` flags, or'ed with the hook's draft-cache rows."""
         waiting = [it for it in self._items
                    if type(it) is _Forward and it.entry.masks[it.index] is None]
         if not waiting:
@@ -355,10 +347,6 @@ class KVProvenance:
         flags = detect([it for it in self._items if type(it) is _Forward])
         for it in waiting:
             m = flags[id(it)]
-            if it.stale():
-                it.entry.host_failure = True
-                it.entry.context["stale"] = True
-                m = consts.zeros(m.shape[0], m.device)
             it.entry.masks[it.index] = m if it.rows is None else m | it.rows
 
     def exact(self, item) -> torch.Tensor | None:
@@ -375,7 +363,7 @@ class KVProvenance:
             else:
                 table.grow(it.view.width + it.view.k + 1)
                 try:
-                    found[id(it)] = _forward(table, it.view, it.fp, it.first, it.q)
+                    found[id(it)] = _forward(table, it.shown(), it.fp, it.first, it.q)
                 except (RuntimeError, IndexError, ValueError, AttributeError, TypeError):
                     found[id(it)] = None  # the hook's exception: nothing checked
             done += 1
@@ -418,22 +406,60 @@ class _Admit:
 
 
 class _Forward:
-    """A target forward whose records and checks wait (fast mode): its view, the
-    fingerprints ``fp`` [B, first + q] taken in the hook, and the tensors ``detect`` reads
-    with their version counters then."""
+    """A target forward whose records and checks wait (fast mode): the fingerprints
+    ``fp`` [B, first + q] and a copy of what the check reads (the engine may write its
+    view's tensors in place after the hook; the copy is what the view showed), one
+    ``cat``: ``copy`` [B, W + W + q + (first + q) + 2] long, the view's positions and
+    valid, the forward's positions and mask, the row lengths and the request ids."""
 
-    __slots__ = ("view", "fp", "first", "q", "tensors", "versions", "entry", "index", "rows")
+    __slots__ = ("view", "fp", "first", "q", "copy", "widths", "entry", "index", "rows")
 
     def __init__(self, view: StepView, fp: torch.Tensor, first: int, q: int):
         self.view, self.fp, self.first, self.q = view, fp, first, q
         f = view.forward
-        self.tensors = (view.positions, view.valid, view.row_ids, f.positions,
-                        f.attention_mask)
-        self.versions = tuple(t._version for t in self.tensors)
+        b = fp.shape[0]
+        fpos = f.positions if f.positions.shape[0] == b else f.positions.expand(b, q)
+        parts = (view.positions, view.valid, fpos, f.attention_mask)
+        self.widths = tuple(t.shape[1] for t in parts)
+        # (lengths are read only for slots past W - 1: a malformed one, which I1 reports,
+        # must not stop the check)
+        n = view.lengths if view.lengths.shape == (b,) else fp.new_zeros(b)
+        self.copy = torch.cat(parts + (n[:, None], view.row_ids[:, None]), 1)
         self.entry = self.index = self.rows = None
 
-    def stale(self) -> bool:
-        return tuple(t._version for t in self.tensors) != self.versions
+    def parts(self) -> tuple:
+        """(positions [B, W], valid [B, W], forward positions [B, q], forward mask
+        [B, C + q], lengths [B], request ids [B]) as the hook saw them (views of
+        ``copy``)."""
+        c, out, at = self.copy, [], 0
+        for w in self.widths:
+            out.append(c[:, at : at + w])
+            at += w
+        return (*out, c[:, at], c[:, at + 1])
+
+    def shown(self):
+        """The view as the hook saw it, for ``_forward``: the view's host facts, its
+        tensors from ``copy``."""
+        pos, valid, fpos, mask, lengths, rid = self.parts()
+        v = self.view
+        forward = _Shown(positions=fpos, attention_mask=mask != 0)
+        return _Shown(positions=pos, valid=valid != 0, lengths=lengths, row_ids=rid,
+                      forward=forward, width=v.width, k=v.k, batch_size=v.batch_size,
+                      device=v.device)
+
+    def fits(self) -> bool:
+        """The layout ``detect`` reads: ``first`` old slots within the view's slots, a
+        mask of ``first + q`` columns (else ``exact`` judges every row)."""
+        wp, wv, wq, wm = self.widths
+        return self.first <= min(wp, wv) - 1 and wm == self.first + self.q and wq == self.q \
+            and self.fp.shape[1] == self.first + self.q
+
+
+class _Shown:
+    """Attributes given by name (a view as a hook saw it)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
 
 
 #: keys of ``detect``: request id * SPAN + position
@@ -466,12 +492,18 @@ def detect(forwards: list) -> dict:
         block = forwards[i:j]
         pos, flag, rid, rec, limit, start = [], [], [], [], [], []
         for it in block:
-            v, f, c, q = it.view, it.view.forward, it.first, it.q
+            v, c, q = it.view, it.first, it.q
             dev = it.fp.device
-            fpos = f.positions
-            pos += [v.positions[:, :c], fpos if fpos.shape[0] == b else fpos.expand(b, q)]
-            flag += [v.valid[:, :c], f.attention_mask[:, c:]]
-            rid.append(v.row_ids[:, None].expand(b, c + q))
+            if not it.fits():  # (its rows are flagged below) a layout that lines up
+                c, q = 0, it.fp.shape[1]
+                shown = it.fp.new_zeros(b, q)
+                pos, flag = pos + [shown], flag + [shown]
+                rid.append(shown)
+            else:
+                vpos, valid, fpos, mask, _, ids = it.parts()
+                pos += [vpos[:, :c], fpos]
+                flag += [valid[:, :c], mask[:, c:]]
+                rid.append(ids[:, None].expand(b, c + q))
             rec += [_block(b, c, False, dev), _block(b, q, True, dev)]
             limit.append(_block(b, c + q, v.width + v.k + 1, dev))
             start.append(_block(b, c + q, None, dev))
@@ -503,10 +535,10 @@ def detect(forwards: list) -> dict:
     at = 0
     for block, b in plan:
         for it in block:
-            width = it.first + it.q
+            width = it.fp.shape[1]
             rows = bad[at : at + width * b].view(width, b).any(dim=0)
-            if it.first > it.view.width - 1 or it.fp.shape[1] != width:
-                rows = torch.ones_like(rows)  # slot_layout's extra slots: ``exact`` judges
+            if not it.fits():
+                rows = torch.ones_like(rows)  # ``exact`` judges
             out[id(it)] = rows
             at += width * b
     return out
@@ -542,9 +574,6 @@ def describe(entry: Entry, rows: list, limit: int = 4):
                              target=list(view.cache_widths), lag=view.draft_cache_lag)
         return "I1", list(range(view.batch_size)), [[] for _ in range(view.batch_size)], \
             [f"{LAG_RULE.id}: {text}"]
-    if ctx.get("stale"):
-        return "I5", list(range(view.batch_size)), [[] for _ in range(view.batch_size)], \
-            [f"{RULE.id}: {STALE}"]
     flagged = [b for b, x in enumerate(rows[0]) if x] if rows else []
     if not flagged:
         return None
