@@ -462,85 +462,112 @@ class _Shown:
         self.__dict__.update(fields)
 
 
-#: keys of ``detect``: request id * SPAN + position
-SPAN = 1 << 31
+#: ``detect``'s keys: (request id << 42) | (position << 21) | (2 * forward + 1 if a record
+#: else 2 * forward), each part below 2**21 (else every row is flagged for ``exact``)
+BITS = 21
+#: a record not written (sorted past every key)
+UNWRITTEN = torch.iinfo(torch.int64).max
 
 
 def detect(forwards: list) -> dict:
     """{id(forward): [B] bool}: rows of each target forward (a ``_Forward``, in run
     order) with a valid slot whose fingerprint differs from the latest earlier record of
-    (its request, its position) among the forwards' records, every forward at once: one
-    stable sort of all (request, position) keys in time order, and a running maximum
-    that finds each check's latest record.
+    (its request, its position), every forward at once: the records' keys (request,
+    position, time) sorted once, and one binary search per checked slot for the latest
+    record before it. Where each slot's fields sit in the forwards' copies is laid out
+    on the host and uploaded, one small index tensor per batch size and kind (this runs
+    at ``check()``, outside the hooks), so that no op runs per forward.
 
     It flags every row the table of the hooks flags (``exact``): that table holds the
     same latest records, less those of requests it forgot (capacity) or started afresh
     (a new prefill), and judges no position without a record. A row flagged here that
     the table would not flag is reported by no one (``describe`` reads ``exact``). A
     position outside what the table holds (negative, or past ``W + k`` of its forward,
-    where the table's own indexing would wrap or raise) or a request id past the keys
-    flags every row of every forward, for ``exact`` to judge; so do two writes of one
-    (request, position) by one forward (which the table keeps is not defined), and a
-    forward of a shape it does not expect."""
-    out, fields, plan = {}, [], []
+    where the table's own indexing would wrap or raise), a request id or a run past the
+    keys flags every row of every forward, for ``exact`` to judge; so do two writes of
+    one (request, position) by one forward (which the table keeps is not defined), and
+    a forward of a shape it does not expect."""
+    out, blocks = {}, []
     i = 0
     while i < len(forwards):  # consecutive forwards of one batch size: one block
         b = forwards[i].fp.shape[0]
         j = i
         while j < len(forwards) and forwards[j].fp.shape[0] == b:
             j += 1
-        block = forwards[i:j]
-        pos, flag, rid, rec, limit, start = [], [], [], [], [], []
-        for it in block:
-            v, c, q = it.view, it.first, it.q
-            dev = it.fp.device
-            if not it.fits():  # (its rows are flagged below) a layout that lines up
-                c, q = 0, it.fp.shape[1]
-                shown = it.fp.new_zeros(b, q)
-                pos, flag = pos + [shown], flag + [shown]
-                rid.append(shown)
-            else:
-                vpos, valid, fpos, mask, _, ids = it.parts()
-                pos += [vpos[:, :c], fpos]
-                flag += [valid[:, :c], mask[:, c:]]
-                rid.append(ids[:, None].expand(b, c + q))
-            rec += [_block(b, c, False, dev), _block(b, q, True, dev)]
-            limit.append(_block(b, c + q, v.width + v.k + 1, dev))
-            start.append(_block(b, c + q, None, dev))
-        # [B, N] each, then column-major (time first, then row) and flat
-        cols = [torch.cat(x, 1).t().reshape(-1) for x in
-                ([it.fp for it in block], pos, flag, rid, rec, limit, start)]
-        fields.append(cols)
-        plan.append((block, b))
+        blocks.append((i, forwards[i:j], b))
         i = j
-    fp, pos, flag, rid, rec, limit, start = (torch.cat(x) if len(fields) > 1 else x[0]
-                                             for x in zip(*fields))
-    pos, rid, flag = pos.long(), rid.long(), flag != 0
-    outside = flag & ((pos < 0) | (pos >= limit) | (rid.abs() >= SPAN))
-    key = rid * SPAN + pos
-    skey, order = torch.sort(key, stable=True)  # equal keys stay in time order
-    s_fp, s_flag, s_rec = fp[order], flag[order], rec[order]
-    written = s_rec & s_flag
-    # one forward writing one (request, position) twice (a request in two rows): which
-    # write the table keeps is not defined, so every row is flagged for ``exact``
-    s_forward = start.cumsum(0)[order]
-    twice = written[1:] & written[:-1] & (skey[1:] == skey[:-1]) \
-        & (s_forward[1:] == s_forward[:-1])
-    anywhere = outside.any() | twice.any()
-    n = key.shape[0]
-    latest = torch.where(written, torch.arange(n, device=key.device), -1).cummax(0).values
-    at = latest.clamp(min=0)
-    s_bad = (latest >= 0) & (skey[at] == skey) & (s_fp[at] != s_fp) & s_flag & ~s_rec
-    bad = torch.zeros_like(s_bad).index_put_((order,), s_bad) | anywhere
-    at = 0
-    for block, b in plan:
-        for it in block:
-            width = it.fp.shape[1]
-            rows = bad[at : at + width * b].view(width, b).any(dim=0)
-            if not it.fits():
-                rows = torch.ones_like(rows)  # ``exact`` judges
-            out[id(it)] = rows
-            at += width * b
+    anywhere = []
+    qparts, rparts = [], []
+    for start, block, b in blocks:
+        fits = [(start + n, it) for n, it in enumerate(block) if it.fits()]
+        # host-side layout, per forward and kind (its checked slots, its written slots):
+        # how many, where their positions, flags (valid, or the mask) and fingerprints
+        # start in the copies and fingerprints side by side, where its request id sits,
+        # its time (2 x forward, + 1 for the writes) and the least position the table
+        # cannot hold (``W + k + 1``: the table's own width is at least that)
+        layout = ([], [])
+        at_copy = at_fp = 0
+        for index, it in fits:
+            c, q = it.first, it.q
+            wp, wv, wq, wm = it.widths
+            limit = it.view.width + it.view.k + 1
+            rid = at_copy + wp + wv + wq + wm + 1
+            layout[0].append((c, at_copy, at_copy + wp, rid, at_fp, 2 * index, limit))
+            layout[1].append((q, at_copy + wp + wv, at_copy + wp + wv + wq + c, rid, at_fp + c,
+                              2 * index + 1, limit))
+            at_copy += wp + wv + wq + wm + 2
+            at_fp += c + q
+        if not fits:
+            continue
+        copy = torch.cat([it.copy for _, it in fits], 1)
+        fp = torch.cat([it.fp for _, it in fits], 1)
+        dev = fp.device
+        for rows, into in zip(layout, (qparts, rparts)):
+            desc = torch.tensor(rows, dtype=torch.long, device=dev)  # [forwards, 7]
+            total = sum(r[0] for r in rows)
+            item = torch.repeat_interleave(torch.arange(len(rows), device=dev), desc[:, 0],
+                                           output_size=total)
+            first = desc[:, 0].cumsum(0) - desc[:, 0]
+            local = torch.arange(total, device=dev) - first[item]
+            cols = desc.index_select(0, item)  # [slots, 7]
+            pos = copy.index_select(1, cols[:, 1] + local).long()
+            flag = copy.index_select(1, cols[:, 2] + local) != 0
+            rid = copy.index_select(1, cols[:, 3]).long()
+            # what the table (or the keys) cannot hold: ``exact`` judges every row
+            anywhere.append((flag & ((pos < 0) | (pos >= cols[:, 6]) | (rid < 0)
+                                     | (rid >= 1 << BITS))).any())
+            key = (rid << 2 * BITS) | (pos << BITS) | cols[:, 5]
+            into.append((key, fp.index_select(1, cols[:, 4] + local), flag, item, fits, b))
+    anywhere = torch.stack(anywhere).any() if anywhere else None
+    if max(f.view.width + f.view.k + 1 for f in forwards) >= 1 << BITS \
+            or 2 * len(forwards) + 2 >= 1 << BITS:  # positions or times past the keys
+        anywhere = torch.ones((), dtype=torch.bool, device=forwards[0].fp.device)
+    if rparts:
+        rkey = torch.cat([torch.where(flag, key, UNWRITTEN).reshape(-1)
+                          for key, _, flag, *_ in rparts])
+        rfp = torch.cat([fp.reshape(-1) for _, fp, *_ in rparts])
+        rsorted, order = torch.sort(rkey)
+        rfp = rfp[order]
+        # one forward writing one (request, position) twice: which write the table
+        # keeps is not defined
+        anywhere = anywhere | ((rsorted[1:] == rsorted[:-1]) & (rsorted[1:] != UNWRITTEN)).any()
+    for key, fp, flag, item, fits, b in qparts:
+        if rparts and key.shape[1]:
+            at = torch.searchsorted(rsorted, key) - 1  # the latest record before the check
+            found = at.clamp(min=0)
+            bad = flag & (at >= 0) & ((rsorted[found] >> BITS) == (key >> BITS)) \
+                & (rfp[found] != fp)
+            rows = torch.zeros(b, len(fits), dtype=torch.long, device=fp.device) \
+                .index_add_(1, item, bad.long()) != 0
+        else:
+            rows = torch.zeros(b, len(fits), dtype=torch.bool, device=fp.device)
+        if anywhere is not None:
+            rows = rows | anywhere
+        for (_, it), r in zip(fits, rows.unbind(1)):
+            out[id(it)] = r
+    for it in forwards:
+        if id(it) not in out:  # a layout ``detect`` does not read: ``exact`` judges
+            out[id(it)] = torch.ones(it.fp.shape[0], dtype=torch.bool, device=it.fp.device)
     return out
 
 
@@ -548,7 +575,7 @@ _BLOCKS: dict = {}
 
 
 def _block(b: int, n: int, value, device) -> torch.Tensor:
-    """[b, n], all ``value`` (bool, or long for an int; None: long, 1 at [0, 0] and 0
+    """[b, n], all ``value`` (bool, or long for an int; None: long, 1 in column 0 and 0
     elsewhere, a forward's first slot), made by fill kernels once per shape, value and
     device."""
     key = (b, n, value, type(value), device)
@@ -558,8 +585,8 @@ def _block(b: int, n: int, value, device) -> torch.Tensor:
             _BLOCKS.clear()
         dtype = torch.bool if type(value) is bool else torch.long
         t = torch.full((b, n), 0 if value is None else value, dtype=dtype, device=device)
-        if value is None and b and n:
-            t[:1, :1].fill_(1)
+        if value is None and n:
+            t[:, :1].fill_(1)
         _BLOCKS[key] = t
     return t
 
