@@ -179,7 +179,7 @@ class Table:
         (``grow``; an index past it raises)."""
         write, _ = self.rows(row_ids)
         cols = torch.where(written, pos, self._columns()[0])
-        self.fp.index_put_((write.expand_as(cols), cols), fp)
+        self.fp.index_put_((write, cols), fp)  # (write [B, 1] broadcasts over cols [B, q])
 
     def mismatches(self, row_ids, fp, pos, valid) -> torch.Tensor:
         """[B, C] bool: valid slots whose fingerprint differs from a record (a position
@@ -391,8 +391,9 @@ def _forward(table: Table, view: StepView, fp: torch.Tensor, first: int, q: int)
     if first:
         pos, valid = slot_layout(view, first)
         bad = table.mismatches(view.row_ids, fp[:, :first], pos, valid)
-    table.record(view.row_ids, fp[:, first:], f.positions.expand(view.batch_size, q),
-                 f.attention_mask[:, first:].bool())
+    pos = f.positions if f.positions.shape[0] == view.batch_size \
+        else f.positions.expand(view.batch_size, q)
+    table.record(view.row_ids, fp[:, first:], pos, f.attention_mask[:, first:].bool())
     return bad
 
 
