@@ -40,10 +40,27 @@ views the drafter's cache must cover exactly the target cache's slots (equal wid
 ``draft_cache_lag`` is then the target's, ``k + 1`` at verify and commit, 0 at prefill
 and realign); its positions and contents are then held to the records above.
 
-Cost: no host read, upload or data-dependent shape (the table grows to widths the host
-knows); per forward view one fingerprint of the cache's ``W + k`` slots (two copies'
-worth of work: a stack and a sum), a lookup and compare of the old slots, and a scatter
-of the new ones: 23 aten ops at a target's verify view, nothing at the other phases.
+Cost: no host read, upload or data-dependent shape inside a hook (the table grows to
+widths the host knows). Strict (and deep) mode: per forward view one fingerprint of the
+cache's ``W + k`` slots (two copies' worth of work: a stack and a sum), a lookup and
+compare of the old slots, and a scatter of the new ones: 21 aten ops at a target's
+verify view, nothing at the other phases.
+
+Fast mode (the Monitor's ``defer``) reads once per run, so the target cache's lookups
+and records wait for ``check()`` and are done for every forward of the run at once
+(``detect``): the hook takes the fingerprints (the cache changes in place) and one copy
+of what the check reads (positions, valid, the forward's positions and mask, lengths,
+request ids: one ``cat``; the engine may write its view's tensors in place after the
+hook), 10 aten ops at a verify view. At the read, the records' keys (request, position,
+time) are sorted once and each checked slot finds the latest record before it by a
+binary search; about 25 ops for the run, plus an index tensor per batch size laid out
+on the host (at ``check()``, not in a hook). ``detect`` flags a superset of the rows the
+table would flag (it forgets nothing and needs no admission); only a flagged view is
+replayed through the table in order (``exact``), so a report, and the first failing
+step and phase, are the hooks' own. Past ``MAX_DEFERRED`` forwards a run is replayed
+into the table and checked in the hooks from then on (bounded memory). The drafter's
+cache is checked in its hooks as in strict mode.
+
 What it cannot see: a slot a forward claims to have written but did not (its
 stale contents are recorded as written); the drafter-equals-target property
 (tests/test_self_draft.py) covers that.

@@ -407,3 +407,26 @@ def test_fast_mode_checks_a_forward_as_its_view_showed_it():
                          hooks=[fault_injection(rewrite), mon])
         found[mode] = [(v.invariant, v.step, v.phase, v.rows, v.rules) for v in mon.check()]
     assert found["strict"] and found["fast"] == found["strict"], found
+
+
+@pytest.mark.engine
+def test_a_run_past_the_deferred_limit_is_checked_in_its_hooks_from_then_on(monkeypatch):
+    """Past ``MAX_DEFERRED`` target forwards, fast mode replays the run into the table and
+    checks in the hooks again (bounded memory): it still records what strict mode
+    records, on a KV fault that fires before and after the switch."""
+    # the prefill's forward and the verifies of steps 0-8 wait; the fault fires from step 7
+    monkeypatch.setattr(PV, "MAX_DEFERRED", 10)
+    target = models.tiny("llama")
+    found = {}
+    for mode in ("strict", "fast"):
+        mon = invariants.Monitor(mode, raise_on_violation=False)
+        with mutants.apply("cache_gather_shifted"):
+            specdec.generate(target, FIXED, drafter=drafters.NGramDrafter(), strategy="eqspec",
+                             k=3, batch_size=3, max_new_tokens=12, policy="fixed",
+                             stop_token_ids=[], hooks=[mon])
+        found[mode] = [(v.invariant, v.step, v.phase, v.rows, v.rules) for v in mon.check()]
+        if mode == "fast":
+            assert not mon._kv.defer and mon._kv._forwards >= 10
+    assert found["strict"] and found["fast"] == found["strict"]
+    steps = {s for _, s, *_ in found["strict"]}
+    assert min(steps) <= 8 < max(steps), steps  # caught before and after the switch
