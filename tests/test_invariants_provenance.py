@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import invariants
 import specdec
 from invariants import provenance as PV
-from invariants.testing import no_host_transfers
+from invariants.testing import no_host_transfers, watch_hook
 from specdec import cache as cache_mod
 from specdec import drafters, models, mutants
 from specdec.validation import fault_injection
@@ -412,21 +412,24 @@ def test_fast_mode_checks_a_forward_as_its_view_showed_it():
 @pytest.mark.engine
 def test_a_run_past_the_deferred_limit_is_checked_in_its_hooks_from_then_on(monkeypatch):
     """Past ``MAX_DEFERRED`` target forwards, fast mode replays the run into the table and
-    checks in the hooks again (bounded memory): it still records what strict mode
-    records, on a KV fault that fires before and after the switch."""
+    checks in the hooks again (bounded memory), still without a host transfer inside a
+    hook: it records what strict mode records, on a KV fault that fires before and after
+    the switch."""
     # the prefill's forward and the verifies of steps 0-8 wait; the fault fires from step 7
     monkeypatch.setattr(PV, "MAX_DEFERRED", 10)
     target = models.tiny("llama")
     found = {}
     for mode in ("strict", "fast"):
         mon = invariants.Monitor(mode, raise_on_violation=False)
+        watched = watch_hook(mon)
         with mutants.apply("cache_gather_shifted"):
             specdec.generate(target, FIXED, drafter=drafters.NGramDrafter(), strategy="eqspec",
                              k=3, batch_size=3, max_new_tokens=12, policy="fixed",
-                             stop_token_ids=[], hooks=[mon])
+                             stop_token_ids=[], hooks=[watched])
         found[mode] = [(v.invariant, v.step, v.phase, v.rows, v.rules) for v in mon.check()]
         if mode == "fast":
             assert not mon._kv.defer and mon._kv._forwards >= 10
+            assert watched.total() == {"read": 0, "upload": 0, "dynamic_shape": 0}
     assert found["strict"] and found["fast"] == found["strict"]
     steps = {s for _, s, *_ in found["strict"]}
     assert min(steps) <= 8 < max(steps), steps  # caught before and after the switch
