@@ -72,7 +72,20 @@ with invalid slots, which changes no row's flags; tested against each view alone
 adversarial views). A view whose copy cannot be taken (another phase, shapes the fusion
 does not expect) is checked in its hook as before; once ``MAX_WAITING`` views wait, they
 are checked in the hook (device ops, no read), which bounds the copies a long run keeps.
-Strict mode reads every step, so its fusions run in the hooks.
+KV provenance (I5-lite, ``provenance.py``) waits the same way in fast mode: the hook
+takes the target cache's fingerprints and a copy of the positions and masks they are
+checked against (10 aten ops at a verify view instead of 21), and ``check()`` checks
+every forward of the run at once (one sort of the records, one binary search per checked
+slot), replaying a flagged view through the hooks' table to report it.
+Strict mode reads every step, so its fusions and its provenance table run in the hooks.
+
+Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 15``, tiny Llama,
+one thread, EQSPEC and holes, on a 2-core machine shared with other sessions; the
+README's "Cost of checking" has the figures): fast mode 33-34 aten ops per step in the
+hooks plus 6 at ``check()``, the Monitor's own CPU time 20.7-21.0% of the rest of the
+run (main before this round: 47-48 ops, 21.3-22.0%); strict 117-119 ops per step, 29-30%;
+building the views (a null hook) adds 2-9% on that load. The targets of issue 12 (fast
++10%, strict +25% over no hooks) are not met; the README says what dominates.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
@@ -276,7 +289,7 @@ class Monitor(Checker):
         self._snapshot = None
         # I5 provenance and the draft cache's lag (invariants/provenance.py)
         self._kv = PV.KVProvenance(self.remember_rows, provenance="I5" in self.invariants,
-                                   lag="I1" in self.invariants) \
+                                   lag="I1" in self.invariants, defer=self.mode == "fast") \
             if "I5" in self.invariants or "I1" in self.invariants else None
 
     @property
@@ -487,6 +500,8 @@ class Monitor(Checker):
     def read(self) -> None:
         if self._deferred:
             self._settle()
+        if self._kv is not None:  # fast mode: the run's target-cache provenance, at once
+            self._kv.settle(self._consts)
         super().read()
 
     def _advance(self, view: StepView) -> None:

@@ -15,18 +15,20 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, find, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 import invariants
 import specdec
 from invariants import provenance as PV
-from invariants.testing import no_host_transfers
+from invariants.testing import no_host_transfers, watch_hook
 from specdec import cache as cache_mod
 from specdec import drafters, models, mutants
+from specdec.validation import fault_injection
 from harness import run_case
 from hyp_inputs import cases
 
@@ -297,3 +299,137 @@ def test_each_kv_fault_is_caught_on_a_fixed_workload(name, strategy, kind):
     assert strict and strict[0].invariant == "I5", strict[:1]
     assert "I5.provenance" in strict[0].rules[0]
     assert [(v.step, v.phase, v.rows) for v in fast] == [(v.step, v.phase, v.rows) for v in strict]
+
+
+# -- fast mode: every target forward of a run checked at once ------------------------------------
+
+def _fake_view(rid, positions, valid, fpos, mask, k):
+    """What ``detect`` and the table read of a verify view (no engine needed)."""
+    b, w = positions.shape
+    q = fpos.shape[1]
+    forward = SimpleNamespace(positions=fpos, attention_mask=mask, cache_width=w - 1,
+                              input_ids=torch.zeros(b, q, dtype=torch.long))
+    return SimpleNamespace(row_ids=rid, positions=positions, valid=valid, forward=forward,
+                           width=w, k=k, batch_size=b, device=torch.device("cpu"),
+                           lengths=valid.long().sum(dim=1))
+
+
+@st.composite
+def forward_runs(draw, in_range: bool):
+    """A run of target forwards with adversarial layouts: few requests, rows in any order,
+    batch sizes that change between forwards, holes,
+    repeated positions, fingerprints from a three-letter alphabet (records collide, slots
+    move); with ``in_range=False`` also prefills that start fresh records between
+    forwards, a request in two rows of one view, a position written twice, positions past what the table holds and
+    negative ones. Returns (events, k): an
+    event is a list of request ids (a prefill) or a fake view with its fingerprints."""
+    requests = draw(st.integers(1, 4))
+    k = draw(st.integers(0, 2))
+    ints = lambda lo, hi, shape: torch.tensor(  # noqa: E731
+        draw(st.lists(st.integers(lo, hi), min_size=shape[0] * shape[1],
+                      max_size=shape[0] * shape[1])), dtype=torch.long).view(*shape)
+    events = [list(range(requests))] if in_range else []
+    for _ in range(draw(st.integers(1, 8))):
+        if not in_range and draw(st.booleans()):
+            events.append(draw(st.lists(st.integers(0, requests - 1), min_size=1, max_size=3)))
+        b = draw(st.integers(1, min(3, requests) if in_range else 3))
+        w, q = draw(st.integers(1, 5)), draw(st.integers(1, k + 1))
+        lo, hi = (0, w + k) if in_range else (-1, w + k + 2)
+        rid = torch.tensor(draw(st.lists(st.integers(0, requests - 1), min_size=b, max_size=b,
+                                         unique=in_range)))
+        # a row writes each position once (else see ``detect``): consecutive positions
+        fpos = ints(0, w + k + 1 - q, (b, 1)) + torch.arange(q) if in_range \
+            else ints(lo, hi, (b, q))
+        view = _fake_view(rid, ints(lo, hi, (b, w)), ints(0, 1, (b, w)) != 0, fpos,
+                          ints(0, 1, (b, w - 1 + q)) != 0, k)
+        events.append((view, ints(0, 2, (b, w - 1 + q))))
+    return events, k
+
+
+def _both(events):
+    """(rows the hooks' table flags, rows ``detect`` flags) per forward, as host lists."""
+    kv = PV.KVProvenance(64, defer=True)
+    for e in events:
+        if isinstance(e, list):
+            ids = torch.tensor(e)
+            kv._items.append(PV._Admit(SimpleNamespace(row_ids=ids, width=1, k=0,
+                                                       batch_size=len(e))))
+        else:
+            view, fp = e
+            kv._items.append(PV._Forward(view, fp, view.width - 1, fp.shape[1] - view.width + 1))
+    forwards = [it for it in kv._items if type(it) is PV._Forward]
+    flags = PV.detect(forwards)
+    exact = []
+    for it in forwards:
+        bad = kv.exact(it)
+        exact.append([False] * it.fp.shape[0] if bad is None else bad.any(dim=1).tolist())
+    return exact, [flags[id(it)].tolist() for it in forwards]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(forward_runs(in_range=True))
+def test_checking_every_forward_at_once_equals_checking_each_in_its_hook(run):
+    """Every request admitted once, every position one the table holds: the rows
+    ``detect`` flags are exactly those the table of the hooks flags, forward by forward."""
+    events, _ = run
+    exact, batched = _both(events)
+    assert batched == exact
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(forward_runs(in_range=False))
+def test_checking_at_once_flags_every_row_the_hooks_would(run):
+    """Requests admitted again (fresh records) or never, a request in two rows,
+    positions past the table or negative: ``detect`` may flag more (``exact`` then decides what is reported), never
+    less."""
+    events, _ = run
+    exact, batched = _both(events)
+    for e, d in zip(exact, batched):
+        assert all(d[b] for b in range(len(e)) if e[b]), (exact, batched)
+
+
+@pytest.mark.engine
+def test_fast_mode_checks_a_forward_as_its_view_showed_it():
+    """Fast mode checks a run's target forwards at check(), from a copy taken in the
+    hook: a later hook (here at the commit) that writes the verify view's positions in
+    place changes nothing in what fast mode records, which is what strict mode records."""
+    target = models.tiny("llama")
+
+    def rewrite(phase, view):
+        if phase == "commit" and view.step == 1:
+            view.positions[0, -1] += 1  # the verify view's very tensor
+
+    found = {}
+    for mode in ("strict", "fast"):
+        mon = invariants.Monitor(mode, raise_on_violation=False)
+        specdec.generate(target, PROMPTS[:3], drafter=drafters.NGramDrafter(), k=2, batch_size=3,
+                         max_new_tokens=5, policy="fixed", stop_token_ids=[],
+                         hooks=[fault_injection(rewrite), mon])
+        found[mode] = [(v.invariant, v.step, v.phase, v.rows, v.rules) for v in mon.check()]
+    assert found["strict"] and found["fast"] == found["strict"], found
+
+
+@pytest.mark.engine
+def test_a_run_past_the_deferred_limit_is_checked_in_its_hooks_from_then_on(monkeypatch):
+    """Past ``MAX_DEFERRED`` target forwards, fast mode replays the run into the table and
+    checks in the hooks again (bounded memory), still without a host transfer inside a
+    hook: it records what strict mode records, on a KV fault that fires before and after
+    the switch."""
+    # the prefill's forward and the verifies of steps 0-8 wait; the fault fires from step 7
+    monkeypatch.setattr(PV, "MAX_DEFERRED", 10)
+    target = models.tiny("llama")
+    found = {}
+    for mode in ("strict", "fast"):
+        mon = invariants.Monitor(mode, raise_on_violation=False)
+        watched = watch_hook(mon)
+        with mutants.apply("cache_gather_shifted"):
+            specdec.generate(target, FIXED, drafter=drafters.NGramDrafter(), strategy="eqspec",
+                             k=3, batch_size=3, max_new_tokens=12, policy="fixed",
+                             stop_token_ids=[], hooks=[watched])
+        found[mode] = [(v.invariant, v.step, v.phase, v.rows, v.rules) for v in mon.check()]
+        if mode == "fast":
+            assert not mon._kv.defer and mon._kv._forwards >= 10
+            assert watched.total() == {"read": 0, "upload": 0, "dynamic_shape": 0}
+    assert found["strict"] and found["fast"] == found["strict"]
+    steps = {s for _, s, *_ in found["strict"]}
+    assert min(steps) <= 8 < max(steps), steps  # caught before and after the switch
