@@ -550,8 +550,9 @@ def model_mask(model, attention_mask: torch.Tensor, positions: torch.Tensor,
     if key_positions is not None:
         window = sliding_window(model)
         if window is not None:
+            extra = () if query_slot is None else (query_slot,)
             return position_masks(model, attention_mask, key_positions, positions, window,
-                                  query_slot)
+                                  *extra)
     return attention_mask.long()
 
 

@@ -270,3 +270,28 @@ def test_the_plain_loop_runs_in_place_at_bucketed_widths():
     assert len(steps) == BUDGET - 1
     assert len({c["ptrs"] for c in steps}) == 1
     assert len({c["shapes"] for c in steps}) <= math.ceil(steps[0]["capacity"] / static.KEY_GRANULE)
+
+
+def test_the_static_shapes_benchmark_reports_both_widths_side_by_side(capsys):
+    """benchmarks/static_shapes.py on the tiny Llama: every engine eager and static, exact,
+    and the static run with fewer distinct forward shapes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "static_shapes.py"
+    spec = importlib.util.spec_from_file_location("static_shapes_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny:llama", "--prompts", "4", "--max-new-tokens", "40",
+                       "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if len(line.split()) > 1
+            and line.split()[1] in ("eager", "static")]
+    assert len(rows) == 6  # plain-loop, eqspec/adaptive, eqspec/fixed, each eager and static
+    for row in rows:
+        assert "100%" in row
+    # the "fwd shapes" column: distinct shapes / decode and verify forwards
+    shapes = {(r[0], r[1]): int(next(c for c in r if "/" in c and c[0].isdigit()).split("/")[0])
+              for r in rows}
+    for engine in {r[0] for r in rows}:
+        assert shapes[(engine, "static")] < shapes[(engine, "eager")]
