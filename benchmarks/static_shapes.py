@@ -11,8 +11,10 @@ inductor`` it also counts, in one cold run per configuration (dynamo reset first
 timed), the graphs dynamo compiled (``torch._dynamo.utils.counters``).
 
     python benchmarks/static_shapes.py                    # SmolLM2, batch 8, 8 chat prompts
-    python benchmarks/static_shapes.py --compile none inductor --repeats 3
+    python benchmarks/static_shapes.py --compile none inductor --repeats 2 \
+        --engines plain-loop eqspec/adaptive
     python benchmarks/static_shapes.py --model tiny:llama --prompts 8 --max-new-tokens 24
+    python benchmarks/static_shapes.py --kinds rag --drafter scripted:0.6 --engines eqspec/adaptive
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import specdec  # noqa: E402
 from specdec import compiled, drafters, models, prompts  # noqa: E402
@@ -53,8 +56,9 @@ class Shapes:
         self.handle.remove()
 
 
-def engines(k: int):
-    """(name, run(model, ids, new, static, mode) -> (sequences, widths))."""
+def engines(k: int, drafter=drafters.NGramDrafter):
+    """(name, run(model, ids, new, static, mode) -> (sequences, widths)); ``drafter()``
+    makes each speculative run's drafter."""
     def plain(model, ids, new, static, mode):
         out = specdec.reference_generate(model, ids, max_new_tokens=new, batch_size=len(ids),
                                          stop_token_ids=[], static_shapes=static, compile=mode)
@@ -62,7 +66,7 @@ def engines(k: int):
 
     def eqspec(policy):
         def run(model, ids, new, static, mode):
-            res = specdec.generate(model, ids, drafter=drafters.NGramDrafter(), k=k,
+            res = specdec.generate(model, ids, drafter=drafter(), k=k,
                                    batch_size=len(ids), max_new_tokens=new, stop_token_ids=[],
                                    policy=policy, static_shapes=static, compile=mode)
             return res.sequences, dict(res.stats.widths)
@@ -97,6 +101,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", nargs="+", default=["none"], choices=["none", "inductor"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--drafter", default="ngram",
+                    help="ngram, or scripted:P (batch-1 greedy output corrupted to accept ~P)")
+    ap.add_argument("--engines", nargs="+", default=[n for n, _ in engines(0)],
+                    choices=[n for n, _ in engines(0)])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = models.resolve(args.model)
@@ -107,7 +115,17 @@ def main(argv=None) -> int:
     new = args.max_new_tokens
     modes = [None if m == "none" else m for m in args.compile]
     reference = specdec.reference_generate(model, ids, max_new_tokens=new, stop_token_ids=[])
-    configs = [(name, run, mode) for name, run in engines(args.k) for mode in modes]
+    make = drafters.NGramDrafter
+    if args.drafter.startswith("scripted:"):
+        from throughput import corrupt_for_acceptance  # benchmarks/throughput.py
+
+        scripts = corrupt_for_acceptance(reference, float(args.drafter.split(":")[1]), args.k,
+                                         models.vocab_size(model))
+        make = lambda: drafters.ScriptedDrafter(scripts)  # noqa: E731
+    elif args.drafter != "ngram":
+        raise SystemExit(f"--drafter must be ngram or scripted:P, got {args.drafter!r}")
+    configs = [(name, run, mode) for name, run in engines(args.k, make) if name in args.engines
+               for mode in modes]
     rows = []
     for name, run, mode in configs:  # warm-up (and the compiled regions' compilation)
         for static in (False, True):

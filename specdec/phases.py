@@ -43,6 +43,12 @@ next step. The views' ``k`` is the step's ``draft_k``. The policy also gets the 
 every step, from its draft to its realignment (``StepCost``, on ``ctx.clock``), to
 calibrate what width costs.
 
+Static shapes (``Context.static_shapes``, ``specdec/static.py``): the strategy sizes the
+run's buffers and one target cache up front (``begin_static``); the verify width is 1 or
+``k + 1`` (``next_draft_k``), and ``speculate`` writes the verify inputs into the buffers
+(``verify_inputs``) and attends a bucketed key width; the views still see the ``C + q``
+real mask columns (``static_record``).
+
 Checks while decoding (``validation.py``): ``speculate`` checks each ``propose`` result
 (type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
 verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
