@@ -14,6 +14,17 @@ layers, batch 8, 460 slots, fp32, 2 CPU cores): a realignment gather went from 2
 20 ms and a row drop from 132 ms (a full ``index_select``) to 4 ms; a plain copy of the
 same data takes 14 ms. Memory: the steady state holds two buffers where it held one, but
 every realignment used to allocate a temporary of the same size, so the peak is unchanged.
+The spare is zeroed when made, so every slot of either buffer always holds a finite
+value (computed K/V, stale K/V or zero).
+
+Static shapes (``specdec/static.py``, ``generate(..., static_shapes=True)``): a forward
+given ``key_width`` attends that many slots, a bucket ``>= width + q``: ``update`` returns
+``[B, H, key_width, D]`` views and ``get_mask_sizes`` reports ``key_width``, and the
+caller's mask is 0 past ``width + q`` (those slots hold finite stale values: masked, they
+add exact zeros). ``reserve(rows)`` makes the first forward allocate both buffers for at
+least ``rows`` rows, and one cache serves every batch of a run (``empty_rows``), so no
+cache storage is allocated after the run's first prefill; row drops (``keep_rows``) and
+realignments (``gather_slots``) already work within the two buffers.
 
 Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` allows
 4.51 to 5.24 so that ``invariants`` installs into projects on transformers 4.x, and a
@@ -83,6 +94,12 @@ class _Slab:
         self.spare: torch.Tensor | None = None
         self.rows = 0
         self.width = 0
+        # keys a forward attends (static shapes: a bucket >= width + q); None: width + q
+        self.key_width: int | None = None
+        # static shapes: allocate the spare with the store, for at least reserve_rows rows
+        # (nothing allocated later)
+        self.reserve = False
+        self.reserve_rows = 0
         self._ends: dict = {}  # id(buffer) -> (buffer, its slot-major K0 and V_last views)
 
     @property
@@ -94,8 +111,9 @@ class _Slab:
         """A fresh ``store`` for ``rows`` rows shaped like ``like`` (``[.., H, *, D]``);
         the spare is dropped (it is re-made at the size of the store when next needed)."""
         h, d = like.shape[-3], like.shape[-1]
+        rows = max(rows, self.reserve_rows) if self.reserve else rows
         self.store = like.new_zeros((self.num_layers, 2, rows, h, self.capacity, d))
-        self.spare = None
+        self.spare = torch.zeros_like(self.store) if self.reserve else None
         self.rows = rows
         self._ends.clear()  # views of the old buffers must not keep them alive
 
@@ -107,9 +125,11 @@ class _Slab:
                 and st.shape[5] == like.shape[-1])
 
     def spare_rows(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of the spare buffer (made on first use)."""
+        """The first ``rows`` rows of the spare buffer (made on first use, zeroed: every
+        slot of either buffer always holds a finite value, which a forward attending a key
+        bucket past the width relies on)."""
         if self.spare is None or self.spare.shape != self.store.shape:
-            self.spare = torch.empty_like(self.store)
+            self.spare = torch.zeros_like(self.store)
         return self.spare[:, :, :rows]
 
     def slot_major(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +210,8 @@ class SlabLayer(DynamicLayer):
         kv = slab.kv[self.layer_idx]
         kv[0, :, :, w : w + q] = key_states
         kv[1, :, :, w : w + q] = value_states
-        return kv[0, :, :, : w + q], kv[1, :, :, : w + q]
+        end = w + q if slab.key_width is None else slab.key_width  # static: the key bucket
+        return kv[0, :, :, :end], kv[1, :, :, :end]
 
     @property
     def keys(self):
@@ -214,7 +235,8 @@ class SlabLayer(DynamicLayer):
         return self.slab.width
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slab.width + query_length, 0
+        kw = self.slab.key_width
+        return (self.slab.width + query_length if kw is None else kw), 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SlabCache is realigned with gather_slots, never cropped")
@@ -263,6 +285,20 @@ class SlabCache(Cache):
     def width(self) -> int:
         """Filled slots C (every layer has the same width by construction)."""
         return self.slab.width
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row of the slab."""
+        return self.slab.capacity
+
+    def reserve(self, rows: int = 0) -> None:
+        """Static shapes: allocate the spare buffer together with the store (at the first
+        forward, or now when the store exists), both for at least ``rows`` rows, so that no
+        step allocates cache storage."""
+        slab = self.slab
+        slab.reserve, slab.reserve_rows = True, rows
+        if slab.store is not None:
+            slab.spare_rows(0)
 
     def advance(self, q: int) -> None:
         """Declare that the last forward wrote ``q`` new slots in every layer."""
@@ -442,10 +478,13 @@ def layer_types(model: torch.nn.Module) -> tuple[str, ...] | None:
 
 
 def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
-                  query_positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """The 4-D mask ``[B, 1, q, C + q]`` computed from positions, not slot indices: query
+                  query_positions: torch.Tensor, window: int | None,
+                  query_slot: int | None = None) -> torch.Tensor:
+    """The 4-D mask ``[B, 1, q, K]`` computed from positions, not slot indices: query
     i (slot ``C + i``) attends key slot j iff j is valid, j is not after the query's slot,
-    and ``0 <= pos(query) - pos(key) < window`` (no window: ``window=None``).
+    and ``0 <= pos(query) - pos(key) < window`` (no window: ``window=None``). ``K`` is the
+    mask's width, ``C + q`` unless static shapes bucket it (``query_slot``: ``C``, the
+    first query's slot; None: ``K - q``).
 
     Transformers 5.24 builds the sliding mask over slot indices (``kv_idx > q_idx -
     window``), which is wrong as soon as holes separate slots from positions; a 4-D mask
@@ -457,7 +496,8 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
     q = query_positions.shape[1]
     dev = attention_mask.device
     kslot = torch.arange(c_q, device=dev)[None, :]
-    qslot = (c_q - q + torch.arange(q, device=dev))[:, None]
+    first = c_q - q if query_slot is None else query_slot
+    qslot = (first + torch.arange(q, device=dev))[:, None]
     kp, qp = key_positions[:, None, :], query_positions[:, :, None]
     allowed = attention_mask.bool()[:, None, :] & (kslot <= qslot)[None] & (kp <= qp)
     if window is not None:
@@ -476,7 +516,7 @@ def position_mask(model, attention_mask: torch.Tensor, key_positions: torch.Tens
 
 
 def position_masks(model, attention_mask: torch.Tensor, key_positions: torch.Tensor,
-                   query_positions: torch.Tensor, window: int):
+                   query_positions: torch.Tensor, window: int, query_slot: int | None = None):
     """What a sliding-window model attends over holes: one ``position_mask`` when every
     layer slides; for a model mixing full and sliding layers, the mapping from layer type
     to mask that its forward takes in place of ``attention_mask`` (transformers 5.24:
@@ -484,9 +524,11 @@ def position_masks(model, attention_mask: torch.Tensor, key_positions: torch.Ten
     full layers' mask without the window."""
     types = layer_types(model)
     if types is None:
-        return position_mask(model, attention_mask, key_positions, query_positions, window)
+        return position_mask(model, attention_mask, key_positions, query_positions, window,
+                             query_slot)
     return {t: position_mask(model, attention_mask, key_positions, query_positions,
-                             window if t == "sliding_attention" else None) for t in types}
+                             window if t == "sliding_attention" else None, query_slot)
+            for t in types}
 
 
 def positions_matter(holes: bool, window: int | None) -> bool:
@@ -498,15 +540,19 @@ def positions_matter(holes: bool, window: int | None) -> bool:
 
 
 def model_mask(model, attention_mask: torch.Tensor, positions: torch.Tensor,
-               key_positions: torch.Tensor | None = None):
+               key_positions: torch.Tensor | None = None, query_slot: int | None = None):
     """The attention mask ``forward`` gives ``model``: ``attention_mask`` (``[B, C + q]``,
     as long; the model builds its causal mask and window over slots), or, with
     ``key_positions`` on a sliding-window model, the mask(s) built from positions
-    (``position_masks``). Engines record it for the checker (``ForwardRecord.model_mask``)."""
+    (``position_masks``). Engines record it for the checker (``ForwardRecord.model_mask``).
+    ``query_slot``: the first query's slot when the mask is wider than ``C + q`` (static
+    shapes' key bucket)."""
     if key_positions is not None:
         window = sliding_window(model)
         if window is not None:
-            return position_masks(model, attention_mask, key_positions, positions, window)
+            extra = () if query_slot is None else (query_slot,)
+            return position_masks(model, attention_mask, key_positions, positions, window,
+                                  *extra)
     return attention_mask.long()
 
 
@@ -524,7 +570,7 @@ def num_hidden_layers(model: torch.nn.Module) -> int:
 
 
 def forward(model, input_ids, positions, attention_mask, cache, key_positions=None,
-            last_logits: bool = False, mask=None):
+            last_logits: bool = False, mask=None, key_width: int | None = None):
     """One forward of ``model`` over new tokens with explicit positions and mask.
 
     input_ids:      [B, q] long
@@ -539,19 +585,36 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
                     every prompt slot would cost more than the whole transformer).
     mask:           ``model_mask`` of these arguments when the caller built it already
                     (to record what the model attends with); None: built here.
+    key_width:      static shapes (``specdec/static.py``): the forward attends this many
+                    key slots of a ``SlabCache`` (``>= cache.width + q``), and
+                    ``attention_mask`` / ``key_positions`` are that wide (0 past
+                    ``cache.width + q``); None: ``cache.width + q``.
     Returns logits [B, q, V] ([B, 1, V] with last_logits) and advances the cache by q.
     """
     q = input_ids.shape[1]
+    if key_width is not None:
+        need = cache.width + q
+        if not need <= key_width <= cache.capacity or attention_mask.shape[-1] != key_width:
+            raise ValueError(f"key_width must lie in [cache width + q, capacity] = [{need}, "
+                             f"{cache.capacity}] and equal the mask's width "
+                             f"{attention_mask.shape[-1]}, got {key_width}")
     if mask is None:
-        mask = model_mask(model, attention_mask, positions, key_positions)
-    out = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        attention_mask=mask,
-        use_cache=True,
-        logits_to_keep=1 if last_logits else 0,
-        **{CACHE_KWARG: cache},
-    )
+        mask = model_mask(model, attention_mask, positions, key_positions,
+                          None if key_width is None else cache.width)
+    if key_width is not None:
+        cache.slab.key_width = key_width
+    try:
+        out = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1 if last_logits else 0,
+            **{CACHE_KWARG: cache},
+        )
+    finally:
+        if key_width is not None:
+            cache.slab.key_width = None
     if isinstance(cache, SlabCache):
         cache.advance(q)
     return out.logits

@@ -28,6 +28,7 @@ from . import cache as cache_mod
 from . import compiled as compiled_mod
 from . import policy as policy_mod
 from . import sampling as sampling_mod
+from . import static as static_mod
 from . import strategies, validation
 from .drafters import NGramDrafter
 from .models import context_length, stop_token_ids as model_stop_ids, vocab_size
@@ -83,7 +84,7 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
              batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), sampling=None,
-             policy="adaptive", compile=None, **options) -> Result:
+             policy="adaptive", compile=None, static_shapes=False, **options) -> Result:
     """Speculative decoding of ``prompts`` with ``target``: greedy, or sampled.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
@@ -119,6 +120,11 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     the target's and a draft model's layers compiled, attention and every hook eager);
     the tokens are the same.
 
+    ``static_shapes``: False (eager widths), or True: the decode and verify forwards run
+    at few shapes (``specdec.static``: verify width 1 or ``k + 1``, key widths rounded up
+    to buckets, inputs written into buffers allocated once per run, one cache per run);
+    the tokens are the same.
+
     Bad input raises ``TypeError`` (a value of the wrong kind) or ``ValueError`` (out of
     range) with one line that states the rule (``specdec.validation``), before any work;
     a drafter's bad output, or a hook's write to its view, raises ``ValueError`` during
@@ -129,6 +135,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
                  stop_token_ids=stop_token_ids, hooks=hooks)
     sampling = sampling_mod.checked(sampling)
     mode = compiled_mod.check(compile, target)
+    static_shapes = static_mod.checked(static_shapes)
     ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
     plugin = strategies.get(strategy)
     given = {name: v for name, v in options.items() if v is not None}
@@ -146,7 +153,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
         hooks=a.hooks, max_position=(ctx_len - 1) if ctx_len else 2**31 - 1,
         strategy=strategy, options=MappingProxyType(dict(resolved)),
         target_window=cache_mod.sliding_window(target), vocab=vocab_size(target),
-        sampling=sampling, policy=chosen,
+        sampling=sampling, policy=chosen, static_shapes=static_shapes,
     )
     state = State(profile=plugin.profile)
     if hasattr(drafter, "bind"):

@@ -43,6 +43,12 @@ next step. The views' ``k`` is the step's ``draft_k``. The policy also gets the 
 every step, from its draft to its realignment (``StepCost``, on ``ctx.clock``), to
 calibrate what width costs.
 
+Static shapes (``Context.static_shapes``, ``specdec/static.py``): the strategy sizes the
+run's buffers and one target cache up front (``begin_static``); the verify width is 1 or
+``k + 1`` (``next_draft_k``), and ``speculate`` writes the verify inputs into the buffers
+(``verify_inputs``) and attends a bucketed key width; the views still see the ``C + q``
+real mask columns (``static_record``).
+
 Checks while decoding (``validation.py``): ``speculate`` checks each ``propose`` result
 (type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
 verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
@@ -61,7 +67,7 @@ import torch
 
 from invariants.view import ForwardRecord, StepView
 
-from . import acceptance, layout, sampling, validation
+from . import acceptance, layout, sampling, static, validation
 from .sampling import Sampling
 from . import cache as cache_mod
 from .batch import RaggedBatch, left_pad, rows_where
@@ -179,6 +185,9 @@ class Context:
     policy: object = None
     # () -> seconds: the clock step costs are measured with for the policy (``step_clock``)
     clock: Callable[[], float] | None = None
+    # static shapes for decode and verify (``specdec/static.py``): verify widths 1 or k + 1,
+    # bucketed key widths, forward inputs written into the run's ``State.buffers``
+    static_shapes: bool = False
 
     def __post_init__(self):
         if not self.vocab:
@@ -218,6 +227,28 @@ class State:
     draft_k: int | None = None
     # k_b of the rows the last prefill admitted, in its row order (host)
     admitted_lengths: list = field(default_factory=list)
+    # static shapes: the run's forward input buffers (``static.Buffers``) and, for
+    # strategies that decode batch after batch, the one target cache they all reuse
+    buffers: static.Buffers | None = None
+    cache: cache_mod.SlabCache | None = None
+
+
+def begin_static(ctx: Context, state: State, rows: int, capacity: int,
+                 cache: cache_mod.SlabCache | None = None) -> None:
+    """Static shapes: size the run's buffers for ``rows`` rows and ``capacity`` cache
+    slots, and the target cache (``cache``, else a new one kept in ``state.cache``) so that
+    it allocates both its buffers once, at its first forward (``SlabCache.reserve``)."""
+    dev = next(ctx.target.parameters()).device
+    state.buffers = static.Buffers(rows, capacity, sorted({1, ctx.k + 1}), dev)
+    if cache is None:
+        cache = state.cache = cache_mod.new_cache(ctx.target, capacity)
+    cache.reserve(rows)
+
+
+def next_draft_k(ctx: Context, needed: int) -> int:
+    """Drafts of the next verify step when its rows need ``needed`` (max k_b): ``needed``,
+    or with static shapes its verify-width bucket (``static.verify_drafts``)."""
+    return static.verify_drafts(needed, ctx.k) if ctx.static_shapes else needed
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,16 +295,26 @@ def timed(state: State, phase: str, t0: float) -> float:
 
 @torch.no_grad()
 def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[int],
-            budgets: list[int], capacity: Capacity | None = None) -> RaggedBatch:
+            budgets: list[int], capacity: Capacity | None = None,
+            cache: cache_mod.SlabCache | None = None) -> RaggedBatch:
     """Right-align the prompts and compute the target (and drafter) cache of all but the
     pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
-    ``layout.contiguous_capacity``, the contiguous profile's need)."""
+    ``layout.contiguous_capacity``, the contiguous profile's need); ``cache``: a target
+    cache to reuse (emptied; static shapes: the run's one cache), else a new one."""
     t0 = time.perf_counter()
     dev = next(ctx.target.parameters()).device
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     max_budget = max(budgets)
     budgets_t = torch.tensor(budgets, dtype=torch.long, device=dev)
+    need = layout.contiguous_capacity(w, max_budget, ctx.k) if capacity is None \
+        else capacity(w, max_budget)
+    if cache is None:
+        cache = cache_mod.new_cache(ctx.target, need)
+    elif need > cache.capacity:
+        raise ValueError(f"the run's cache holds {cache.capacity} slots, this batch needs {need}")
+    else:
+        cache.empty_rows(b)
     batch = RaggedBatch(
         tokens=tokens, valid=valid, positions=positions, lengths=lengths,
         prompt_lengths=lengths.clone(), budgets=budgets_t,
@@ -281,8 +322,7 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
         finished=torch.zeros(b, dtype=torch.bool, device=dev),
         row_ids=torch.tensor(row_ids, dtype=torch.long, device=dev),
         output=torch.zeros(b, layout.output_width(max_budget, ctx.k), dtype=torch.long, device=dev),
-        target_cache=cache_mod.new_cache(ctx.target, layout.contiguous_capacity(w, max_budget, ctx.k)
-                                         if capacity is None else capacity(w, max_budget)),
+        target_cache=cache,
     )
     record = None
     cw = layout.cache_width(w)
@@ -293,7 +333,7 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
     ctx.drafter.prefill(batch)
     lengths = ctx.policy.admit(row_ids, batch, ctx.drafter)  # the rows' first k_b (host)
     state.admitted_lengths = list(lengths)
-    state.draft_k = max(lengths, default=0)
+    state.draft_k = next_draft_k(ctx, max(lengths, default=0))
     timed(state, "prefill", t0)
     emit(ctx, state, "prefill", batch, forward=record)
     return batch
@@ -374,17 +414,30 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     # -- verify: one forward over pending ++ drafts, explicit positions and mask ----------
     t = time.perf_counter()
     cw = layout.cache_width(w)  # slots 0 .. cw-1 are cached; the pending token is slot cw
-    inputs = torch.cat([batch.tokens[:, cw:], drafts], dim=1)
     i = torch.arange(k + 1, device=dev)[None, :]
-    positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
-    mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)], dim=1)
     # holes in a sliding-window model: the window must count positions, not slots
-    kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) \
-        if cache_mod.positions_matter(batch.holes, ctx.target_window) else None
-    given = cache_mod.model_mask(ctx.target, mask, positions, kpos)  # what the model attends with
+    by_position = cache_mod.positions_matter(batch.holes, ctx.target_window)
+    if state.buffers is None:
+        inputs = torch.cat([batch.tokens[:, cw:], drafts], dim=1)
+        positions = layout.verify_position(batch.lengths[:, None], i).clamp(max=ctx.max_position)
+        mask = torch.cat([batch.valid[:, :cw], torch.ones(b, k + 1, dtype=torch.bool, device=dev)],
+                         dim=1)
+        kpos = torch.cat([batch.positions[:, :cw], positions], dim=1) if by_position else None
+        key_width = None
+    else:
+        inputs, positions, mask, kpos = verify_inputs(ctx, state, batch, drafts, i, by_position)
+        key_width = mask.shape[1]
+    # what the model attends with
+    given = cache_mod.model_mask(ctx.target, mask, positions, kpos,
+                                 None if key_width is None else cw)
+    if key_width is not None and kpos is not None:  # a 4-D mask: into the run's buffers
+        given = state.buffers.hold(given)
     cache_before = batch.target_cache.width
     logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
-                               mask=given)
+                               mask=given, key_width=key_width)
+    if key_width is not None and ctx.hooks:  # the views see the C + q real columns
+        inputs, positions, mask, given = static_record(ctx, inputs, positions, mask, given,
+                                                       cw + k + 1)
     # the choice at each position: argmax, coupled choice, or rejection sampling's choice
     predictions = sampling.choose(logits, ctx.sampling, batch.row_ids, batch.generated[:, None] + i,
                                   drafts, draft_logits)
@@ -407,6 +460,42 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     emit(ctx, state, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
     return Spec(drafts, limit, predictions, accepted, committed, proposed, bad, lengths)
+
+
+def verify_inputs(ctx: Context, state: State, batch: RaggedBatch, drafts: torch.Tensor,
+                  i: torch.Tensor, by_position: bool):
+    """Static shapes: the verify forward's (inputs [B, q], positions [B, q], mask [B, K],
+    key positions [B, K] or None), written in place into the run's buffers (views of
+    them): q = k + 1, K the key bucket of ``C + q`` (``static.Buffers.inputs``)."""
+    b, w = batch.tokens.shape
+    cw, q = layout.cache_width(w), i.shape[1]
+    inputs, positions, mask, kpos = state.buffers.inputs(b, q, cw, batch.target_cache.capacity)
+    torch.cat([batch.tokens[:, cw:], drafts], dim=1, out=inputs)
+    torch.clamp(layout.verify_position(batch.lengths[:, None], i), max=ctx.max_position,
+                out=positions)
+    mask[:, :cw] = batch.valid[:, :cw]
+    mask[:, cw : cw + q] = 1
+    if not by_position:
+        return inputs, positions, mask, None
+    kpos[:, :cw] = batch.positions[:, :cw]
+    kpos[:, cw : cw + q] = positions
+    kpos[:, cw + q :] = 0
+    return inputs, positions, mask, kpos
+
+
+def static_record(ctx: Context, inputs, positions, mask, given, cols: int):
+    """What the views record of a static verify forward (built only with hooks): its
+    real ``cols = C + q`` mask columns (the rest are 0), as copies: the buffers are
+    rewritten next step, and a hook may keep what it saw."""
+    own = given is mask  # no 4-D mask: the model got the 2-D one
+    mask = mask[:, :cols].bool()
+    if own:
+        given = mask
+    elif isinstance(given, dict):
+        given = {t: m.clone() for t, m in static.real_columns(given, cols).items()}
+    else:
+        given = static.real_columns(given, cols).clone()
+    return inputs.clone(), positions.clone(), mask, given
 
 
 def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep:
@@ -444,7 +533,7 @@ def sync(ctx: Context, state: State, batch: RaggedBatch, spec: Spec) -> HostStep
         st.accepted_history.append(host[3 * b + 7 :])
     state.step += 1
     return HostStep([bool(f) for f in host[:b]], host[3 * b], host[b : 2 * b],
-                    host[2 * b : 3 * b], host[3 * b + 5])
+                    host[2 * b : 3 * b], next_draft_k(ctx, host[3 * b + 5]))
 
 
 def retire(batch: RaggedBatch, host: HostStep, done: list) -> None:
@@ -495,7 +584,7 @@ class StepCost:
 def run_batch(ctx: Context, state: State, prompts, row_ids, budgets, done: list, *,
               capacity: Capacity, after_step: AfterStep) -> None:
     """Prefill one batch and step it until every row finished."""
-    batch = prefill(ctx, state, prompts, row_ids, budgets, capacity)
+    batch = prefill(ctx, state, prompts, row_ids, budgets, capacity, state.cache)
     while batch is not None:
         batch = step(ctx, state, batch, done, after_step)
 

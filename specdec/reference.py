@@ -20,13 +20,15 @@ from . import layout
 from .batch import left_pad
 from .hostread import DeferredRead
 from . import sampling as sampling_mod
+from . import static as static_mod
 from . import validation
 from .models import stop_token_ids as model_stop_ids
 
 
 @torch.no_grad()
 def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
-                       tokenizer=None, return_margins=False, sampling=None, compile=None):
+                       tokenizer=None, return_margins=False, sampling=None, compile=None,
+                       static_shapes=False):
     """Generated ids per prompt (stop token included where one ended the row): greedy, or
     plain sampling with ``sampling`` (a ``specdec.Sampling``; request i samples with
     (seed, i), so a row's ids depend only on its prompt, the seed, i and the parameters,
@@ -39,13 +41,16 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
     every generated position (a list of floats; not defined in rejection mode).
     Inputs are checked as ``specdec.generate`` checks them (``specdec.validation``).
     ``compile``: None, ``"inductor"`` or ``"cuda-graphs"``, the compiled fast path of
-    ``specdec.generate`` (``specdec.compiled``) for this loop.
+    ``specdec.generate`` (``specdec.compiled``) for this loop. ``static_shapes``: the
+    decode forwards attend bucketed key widths through buffers written in place
+    (``specdec.static``), as in ``specdec.generate``.
     """
     cache_mod.check_transformers()  # first: it decodes through the engine's cache
     ids, max_new_tokens, batch_size, stops = _checked_request(
         target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     sampling = sampling_mod.checked(sampling)
     mode = compiled_mod.check(compile, target)
+    static_shapes = static_mod.checked(static_shapes)
     if return_margins and sampling is not None and sampling.mode != "coupled":
         raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
                          "sampling maximises no score (its tokens are random samples)")
@@ -56,7 +61,7 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
             out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling,
-                                      start, return_margins, stops)
+                                      start, return_margins, stops, static_shapes)
             seqs.extend(out)
             margins.extend(marg)
     return (seqs, margins) if return_margins else seqs
@@ -73,13 +78,18 @@ def _checked_request(target, prompts, tokenizer, max_new_tokens, batch_size, sto
 
 
 def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_row, margins,
-                  stops):
+                  stops, static_shapes=False):
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
     logits = cache_mod.forward(target, tokens, positions, valid, cache, last_logits=True)[:, -1]
     mask = valid
     pos = lengths.clone()
+    bufs = None
+    if static_shapes:  # the mask grows in place in a [b, capacity] buffer; ids, pos too
+        bufs = static_mod.Buffers(b, cache.capacity, (1,), dev)
+        bufs.mask[:, :w] = valid
+        bufs.pos[1][:, 0] = pos
     outs, margs = [], []
     alive = torch.ones(b, dtype=torch.bool, device=dev)
     row_ids = first_row + torch.arange(b, device=dev)  # request index of each row
@@ -97,9 +107,18 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_
         # forward is queued, then the host waits for the copy alone (rows finish rarely;
         # when they all did, that forward is wasted and its logits dropped)
         some_alive = DeferredRead(alive.any())
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
-        logits = cache_mod.forward(target, nxt[:, None], pos[:, None], mask, cache)[:, -1]
-        pos = pos + 1
+        if bufs is None:
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+            logits = cache_mod.forward(target, nxt[:, None], pos[:, None], mask, cache)[:, -1]
+            pos = pos + 1
+        else:
+            c = cache.width
+            ids, bpos, bmask, _ = bufs.inputs(b, 1, c, cache.capacity)
+            bmask[:, c] = 1
+            ids[:, 0] = nxt
+            logits = cache_mod.forward(target, ids, bpos, bmask, cache,
+                                       key_width=bmask.shape[1])[:, -1]
+            bpos += 1
         if not some_alive.tolist():
             break
     out = torch.stack(outs, dim=1).tolist()

@@ -100,9 +100,14 @@ class FixedBatches(Strategy):
         return [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
 
     def run(self, ctx, state, ids, *, batch_size, max_new_tokens, done):
-        from ..phases import run_batch
+        from ..phases import begin_static, run_batch
 
-        for index, rows in enumerate(self.batches(ctx, ids, batch_size)):
+        batches = self.batches(ctx, ids, batch_size)
+        if ctx.static_shapes:  # one cache and one set of buffers for the widest batch
+            begin_static(ctx, state, max(map(len, batches)), max(
+                self.capacity(ctx, max(len(ids[r]) for r in rows), max_new_tokens)
+                for rows in batches))
+        for index, rows in enumerate(batches):
             state.batch_index = index
             run_batch(ctx, state, [ids[r] for r in rows], rows, [max_new_tokens] * len(rows),
                       done, capacity=lambda w, mb: self.capacity(ctx, w, mb),

@@ -69,7 +69,8 @@ import torch
 from .. import cache as cache_mod
 from .. import layout, validation
 from ..batch import PAD_FILL, RaggedBatch, host_rows, take_rows
-from ..phases import StepCost, emit, prefill, retire, speculate, sync, timed
+from ..phases import (StepCost, begin_static, emit, next_draft_k, prefill, retire, speculate,
+                      sync, timed)
 from . import Option, Strategy
 
 #: profile of grouped steps; fallback steps and prefills use FALLBACK_PROFILE
@@ -247,6 +248,8 @@ def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: 
     tcache = cache_mod.new_cache(ctx.target, pool.compute_capacity)
     dcache = cache_mod.new_cache(ctx.drafter.model, pool.compute_capacity) \
         if ctx.drafter.uses_cache else None
+    if ctx.static_shapes:
+        begin_static(ctx, state, min(batch_size, pool.size), pool.compute_capacity, tcache)
     admit(ctx, state, pool)
     reusable = None
     while pool.active():
@@ -255,7 +258,8 @@ def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: 
         rows, grouped, reuse = schedule(pool, batch_size, reusable, state.step)
         batch = build(pool, rows, reuse, tcache, dcache)
         state.profile = PROFILE if grouped else FALLBACK_PROFILE
-        state.draft_k = max(pool.kb[p] for p in rows)  # the step's width: max k_b of its rows
+        # the step's width: max k_b of its rows (static shapes: its bucket)
+        state.draft_k = next_draft_k(ctx, max(pool.kb[p] for p in rows))
         timed(state, "realign", t)
         emit(ctx, state, "realign", batch)
         spec = speculate(ctx, state, batch)
