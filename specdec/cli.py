@@ -165,7 +165,7 @@ def cmd_generate(args) -> int:
     res = engine.generate(target, ids, drafter=drafter, strategy=args.strategy, k=args.k,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                           sampling=sampling, policy=args.policy, compile=args.compile,
-                          **_strategy_options(args))
+                          static_shapes=args.static_shapes, **_strategy_options(args))
     secs = time.perf_counter() - t0
     for item, seq in zip(items, res.sequences):
         if args.ids or tok is None:
@@ -274,6 +274,10 @@ def main(argv=None) -> int:
     g.add_argument("--compile", default=None, choices=("inductor", "cuda-graphs"),
                    help="the compiled fast path (default: eager): inductor (CPU: needs a C++ "
                         "compiler) or cuda-graphs (CUDA models only); same tokens")
+    g.add_argument("--static-shapes", action="store_true",
+                   help="decode and verify forwards of few shapes (verify width 1 or k+1, key "
+                        "widths in 32-slot buckets, inputs in per-run buffers: specdec/static.py);"
+                        " same tokens, more work on a CPU")
     _add_engine_options(g)
     _add_strategy_options(g)
     _add_sampling_options(g, "any of these turns sampling on (greedy decoding otherwise)")

@@ -129,6 +129,21 @@ def test_generate_passes_the_draft_length_policy(monkeypatch, capsys):
     assert seen == ["adaptive", "fixed"]
 
 
+def test_generate_passes_static_shapes(monkeypatch, capsys):
+    from specdec import engine
+
+    prompts = random_prompts((4, 11, 7), models.TINY_VOCAB, seed=5)
+    ref = specdec.reference_generate(models.tiny("llama"), prompts, max_new_tokens=5)
+    seen, orig = [], engine.generate
+    monkeypatch.setattr(engine, "generate",
+                        lambda *a, **kw: seen.append(kw["static_shapes"]) or orig(*a, **kw))
+    for extra in ([], ["--static-shapes"]):
+        cli.main(["generate", "--model", "tiny:llama", "--max-new-tokens", "5", "--batch-size", "2",
+                  "--policy", "fixed", *extra, *[" ".join(map(str, p)) for p in prompts]])
+        assert [json.loads(l)["ids"] for l in capsys.readouterr().out.splitlines()] == ref
+    assert seen == [False, True]
+
+
 def test_generate_states_the_rule_for_bad_options(capsys):
     args = ["generate", "--model", "tiny:llama", "--batch-size", "4", "5 6 7"]
     assert cli.main([*args, "--strategy", "exspec", "--window", "2"]) == 2
