@@ -6,7 +6,8 @@
 #      the batched reference (--script-from batched; fixed draft length k=4);
 #   2. Llama-3.2-1B shape (llama-1b-random), fp32 (exact), batch 8, 16 prompts: the same
 #      plus EXSPEC;
-#   3. (COMPILE=cuda-graphs, or inductor) step 1 again with the compiled fast path twins.
+#   3. (COMPILE=cuda-graphs, or inductor) step 1 again with the compiled fast path twins,
+#      each also with static shapes (+static: few forward shapes, so few graphs to capture).
 # Each prints the throughput tables: "vs hf" is each configuration's tokens/s over Hugging
 # Face generate's at the same batch size (median over interleaved repeats); the acceptance
 # targets are standard >= 1.00 (7B bf16) and the speculative rows >= 2.00 (1B fp32, 7B bf16).
@@ -61,6 +62,6 @@ run throughput-7b-bf16 "${BIG[@]}" --dtype "$BIG_DTYPE" --strategies eqspec hole
 run throughput-1b-fp32 "${SMALL[@]}" --dtype float32 --strategies eqspec holes exspec "${COMMON[@]}"
 if [ -n "${COMPILE:-}" ]; then
   run throughput-7b-bf16-"$COMPILE" "${BIG[@]}" --dtype "$BIG_DTYPE" --strategies eqspec \
-    --compile "$COMPILE" "${COMMON[@]}"
+    --compile "$COMPILE" --static-shapes "${COMMON[@]}"
 fi
 exit $status

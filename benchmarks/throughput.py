@@ -42,6 +42,8 @@ rather than batch-1 decoding (in bf16 the two part early, and drafts from batch-
 rejected far more than their nominal rate). ``--compile MODE`` (``inductor``,
 ``cuda-graphs``): every standard and speculative configuration also runs compiled
 (``specdec.compiled``; engine names get ``+MODE``), warmed up before any timing.
+``--static-shapes``: every standard and speculative configuration (compiled twins
+included) also runs with static shapes (``specdec/static.py``; names get ``+static``).
 
 Honest stats: every timed run's ``Stats`` must add up against its outputs
 (``Stats.conservation``: committed = total output length, each row commits 1 to
@@ -195,6 +197,7 @@ class Config:
     mode: str = "greedy"  # a name of MODES
     sampling: Sampling | None = None  # the mode's parameters (None: greedy)
     compile: str | None = None  # specdec.compiled mode (None: eager)
+    static: bool = False  # static shapes (specdec/static.py)
     runs: list = field(default_factory=list)  # per (repeat, kind): measurements
 
     @property
@@ -206,6 +209,7 @@ class Config:
             return "hf-generate"
         name = f"{self.strategy}/{self.policy}" if self.show_policy else self.strategy
         name = name if self.compile is None else f"{name}+{self.compile}"
+        name = f"{name}+static" if self.static else name
         return name if self.mode == "greedy" else f"{name}@{self.mode}"
 
 
@@ -236,7 +240,8 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
     stats = None
     if c.kind == "standard":
         seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size,
-                                          sampling=c.sampling, compile=c.compile)
+                                          sampling=c.sampling, compile=c.compile,
+                                          static_shapes=c.static)
     elif c.kind == "hf-generate":
         seqs = hf_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size)
     elif c.kind == "hf-lookup":
@@ -248,7 +253,8 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
             opts["window"] = c.batch_size
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
                               batch_size=c.batch_size, max_new_tokens=new, policy=c.policy,
-                              sampling=c.sampling, hooks=hooks, compile=c.compile, **opts)
+                              sampling=c.sampling, hooks=hooks, compile=c.compile,
+                              static_shapes=c.static, **opts)
         seqs, stats = res.sequences, res.stats
     sync(target)
     return seqs, stats, time.perf_counter() - t0, time.process_time() - c0
@@ -264,7 +270,8 @@ def summarise(configs: list, kinds: list) -> tuple[list, list]:
     """(overall rows, per-kind rows) from the runs of every configuration; ratios against
     standard decoding in the configuration's own mode ("vs_standard") and in greedy
     decoding ("vs_greedy_standard", wall time)."""
-    std = {(c.mode, c.batch_size): c for c in configs if c.kind == "standard" and c.compile is None}
+    std = {(c.mode, c.batch_size): c for c in configs
+           if c.kind == "standard" and c.compile is None and not c.static}
     hf = {c.batch_size: c for c in configs if c.kind == "hf-generate"}
     by_kind, overall = [], []
     for c in configs:
@@ -420,6 +427,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--compile", nargs="+", default=[], choices=[m for m in compiled.MODES if m],
                     help="also run every standard and speculative configuration compiled")
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="also run every standard and speculative configuration (compiled "
+                         "twins included) with static shapes (specdec/static.py; name +static)")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="models without a tokenizer: random prompts of LO..HI tokens "
                          "(default: a quarter of each built-in prompt's word count)")
@@ -497,6 +507,9 @@ def main(argv=None) -> int:
                 for s in args.strategies for pol in args.policies]
     configs += [replace(c, compile=mode, runs=[]) for mode in args.compile for c in list(configs)
                 if c.kind in ("standard", "spec")]
+    if args.static_shapes:
+        configs += [replace(c, static=True, runs=[]) for c in list(configs)
+                    if c.kind in ("standard", "spec")]
     if args.hf_lookup:
         configs.append(Config("hf-lookup", 1, lookup=args.hf_lookup))
 
@@ -522,7 +535,7 @@ def main(argv=None) -> int:
     # first choice for new shapes would otherwise land in whichever configuration runs
     # first: the H200 run of ../shared/gpu timed the plain loop first, warmed at batch 2)
     for c in configs:
-        if (c.compile is not None or args.device == "cuda") and not c.runs:
+        if (c.compile is not None or c.static or args.device == "cuda") and not c.runs:
             run_config(replace(c, drafter=c.drafter and "ngram", runs=[]), target,
                        ids[: c.batch_size], new, args.k, None, vocab, draft_model, stops)
     # batch-1 plain decoding per mode and kind (a configuration decodes one kind per call,
@@ -609,7 +622,7 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"model": model_name, "dtype": args.dtype, "device": args.device,
-                "compile": args.compile, "script_from": args.script_from, "oracle": rule, "prompts": source, "kinds": {k: len(v) for k, v in groups.items()},
+                "compile": args.compile, "static_shapes": args.static_shapes, "script_from": args.script_from, "oracle": rule, "prompts": source, "kinds": {k: len(v) for k, v in groups.items()},
                 "max_new_tokens": new, "k": args.k, "repeats": args.repeats, "modes": modes,
                 "sampling": {m: s.as_dict() for m, s in samplings.items() if s is not None},
                 "threads": torch.get_num_threads(),

@@ -55,6 +55,21 @@ def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_pat
     assert f"batch   3: {summary[1]['best']}" in capsys.readouterr().out
 
 
+def test_benchmark_runs_static_shape_twins_exactly(throughput, tmp_path):
+    """--static-shapes: every standard and speculative configuration also runs with static
+    shapes (named +static), exact; plain decoding's ratio stays against the eager loop."""
+    argv = ["--model", "tiny:llama", "--prompts", "4", "--max-new-tokens", "6",
+            "--batch-sizes", "3", "--strategies", "eqspec", "--drafters", "scripted:0.6",
+            "--policies", "fixed", "--static-shapes", "--out", str(tmp_path)]
+    assert throughput.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = data["rows"]
+    assert {r["engine"] for r in rows} == {"standard", "standard+static", "hf-generate",
+                                           "eqspec", "eqspec+static"}
+    assert all(r["exact_match"] == 1.0 for r in rows)
+    assert data["meta"]["static_shapes"] is True
+
+
 def test_benchmark_reads_specbench_jsonl_and_reports_per_kind(throughput, tmp_path, capsys):
     """``--prompts FILE.jsonl`` (SpecBench's form: the category is the kind), ``--kinds``
     picks kinds, and every kind gets tokens/s, the ratio to standard decoding of the same
