@@ -13,7 +13,9 @@ tokens:
 - I1: every cache layer has the same length and batch size ``B``; an explicit
   ``cache_position`` equals ``C + arange(q)``;
 - I4: a 2-D attention mask has ``B`` rows and width ``C + q`` (the cache slots, then the
-  new tokens); no mask means every slot is valid;
+  new tokens), or is wider with every column past ``C + q`` 0 (a bucketed key width: a
+  cache that attends more slots than it holds, specdec's ``static_shapes``); no mask means
+  every slot is valid;
 - I3: the position each valid new token gets equals the number of valid mask slots before
   it. Positions are the explicit ``position_ids``, or, when none are passed, the model's
   own default ``C + arange(q)`` (transformers 5.24, every family). Implicit positions are
@@ -160,8 +162,11 @@ class Guard(Checker):
         c = lengths[0] if lengths else 0
         cpos = a.get("cache_position")
         mask = a.get("attention_mask")
-        mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 \
-            and mask.shape[1] == c + q and mask.shape[0] == b else None
+        mask2d = tail = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= c + q \
+                and mask.shape[0] == b:  # wider: a bucketed key width (``guard.mask_tail``)
+            mask2d = mask if mask.shape[1] == c + q else mask[:, : c + q]
+            tail = None if mask.shape[1] == c + q else mask[:, c + q :]
         pos = a.get("position_ids")
         implicit = pos is None
         if implicit:
@@ -171,7 +176,7 @@ class Guard(Checker):
         return ForwardFacts(b, q, lengths, cache_batch_sizes(cache),
                             cpos if isinstance(cpos, torch.Tensor) else None,
                             mask, mask2d, pos,
-                            implicit, src.device, self.relative)
+                            implicit, src.device, self.relative, tail)
 
     def _pre(self, module, args, kwargs):
         a = self._arguments(args, kwargs)

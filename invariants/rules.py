@@ -1467,7 +1467,8 @@ class ForwardFacts:
     cache_position: torch.Tensor | None
     # the attention mask as given (any shape, or not a tensor), or None
     mask: object
-    # [B, C + q] the 2-D mask when its shape fits, else None
+    # [B, C + q] the 2-D mask when its shape fits (its first C + q columns, when it is wider),
+    # else None
     mask2d: torch.Tensor | None
     # [B or 1, q] long: the positions the model uses (explicit, or its own default), or
     # None when they are not interpreted (3-D rope, odd shapes)
@@ -1477,6 +1478,9 @@ class ForwardFacts:
     # the model's positions are relative (RoPE, ALiBi) and the guard was not asked for
     # exact positions: implicit positions then only need a constant offset per row
     relative: bool = False
+    # [B, K - C - q] the columns of a 2-D mask wider than C + q (a bucketed key width,
+    # specdec's static shapes: the cache attends K >= C + q slots), else None
+    tail: torch.Tensor | None = None
 
     @property
     def c(self) -> int:
@@ -1559,15 +1563,16 @@ GUARD_RULES = (
          mask=_cache_position_mask, slots=_guard_position_slots, columns="forward",
          lines=_GUARD_LINES),
     Rule("guard.mask_width", "I4",
-         "the 2-D attention mask has width cache length + new tokens: got {mw}, cache length "
-         "{c} + {q} new tokens = {cq}", ("attention_mask", "cache"),
+         "the 2-D attention mask has width cache length + new tokens (or more, see "
+         "guard.mask_tail): got {mw}, cache length {c} + {q} new tokens = {cq}",
+         ("attention_mask", "cache"),
          host=lambda ff: isinstance(ff.mask, torch.Tensor) and ff.mask.dim() == 2
-         and ff.mask.shape[1] != ff.c + ff.q,
+         and ff.mask.shape[1] < ff.c + ff.q,
          slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
     Rule("guard.mask_batch", "I4", "the attention mask has one row per input row: {mb} rows for {b}",
          ("attention_mask", "input_ids"),
          host=lambda ff: isinstance(ff.mask, torch.Tensor) and ff.mask.dim() == 2
-         and ff.mask.shape[1] == ff.c + ff.q and ff.mask.shape[0] != ff.b,
+         and ff.mask.shape[1] >= ff.c + ff.q and ff.mask.shape[0] != ff.b,
          slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
     Rule("guard.positions_explicit", "I3",
          "the position_ids of every valid new token = number of valid mask slots before it",
@@ -1590,6 +1595,12 @@ GUARD_RULES = (
          "length + arange(new tokens)", ("position_ids", "cache"),
          mask=_guard_positions_no_mask, slots=_guard_position_slots, columns="forward",
          lines=_GUARD_LINES),
+    Rule("guard.mask_tail", "I4",
+         "a 2-D attention mask wider than cache length + new tokens (a bucketed key width: "
+         "the cache attends that many slots) masks every column past them: every column "
+         "from {cq} on (width {mw}) must be 0", ("attention_mask", "cache"),
+         mask=lambda ff: None if ff.tail is None else ff.tail.bool().any(dim=1),
+         slots=_guard_position_slots, columns="forward", lines=_GUARD_LINES),
 )
 
 GROUPS_BY_NAME = {g.name: g for g in GROUPS}

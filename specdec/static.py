@@ -38,8 +38,8 @@ static_shapes=True)``), independent of ``compile=``; the tokens are the same eit
 CPU: ``benchmarks/throughput.py --static-shapes`` (README, issue #19 section).
 
 Not covered: a ``ModelDrafter``'s own forwards (``specdec/drafters.py``) keep their eager
-shapes; the prefill forward is one shape per batch; ``guard_model`` checks that a 2-D mask
-is ``C + q`` wide, so it flags a bucketed forward (use the Monitor with static shapes).
+shapes; the prefill forward is one shape per batch. ``guard_model`` reads a bucketed
+2-D mask by its first ``C + q`` columns and requires 0 past them (``guard.mask_tail``).
 """
 
 from __future__ import annotations

@@ -210,6 +210,34 @@ def test_catches_a_mask_not_extended_for_the_new_tokens(model, refs):
     assert err.value.invariant == "I4" and "width cache length + new tokens" in err.value.rules[0]
 
 
+@pytest.mark.parametrize("mode", ["strict", "fast"])
+def test_a_bucketed_mask_is_read_by_its_real_columns(model, mode):
+    """A 2-D mask wider than C + q (a cache that attends a bucket of slots, specdec's static
+    shapes) is coherent when every column past C + q is 0, and flagged (guard.mask_tail)
+    when one of them lets a row attend a slot the cache does not hold."""
+    ids = torch.tensor([[5, 9, 13], [7, 3, 4]])
+    plain = model(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long),
+                  **cached(model, DynamicCache())).logits
+    for tail, caught in (([0, 0], False), ([0, 1], True)):
+        mask = torch.cat([torch.ones(2, 3, dtype=torch.long), torch.tensor([tail, [0, 0]])], 1)
+        if not caught:
+            with guard_model(model, mode) as g:
+                out = model(input_ids=ids, attention_mask=mask, **cached(model, DynamicCache()))
+            assert g.forwards == 1 and torch.equal(out.logits, plain)
+            continue
+        with pytest.raises(InvariantViolation) as err:
+            with guard_model(model, mode):
+                model(input_ids=ids, attention_mask=mask, **cached(model, DynamicCache()))
+        v = err.value
+        assert v.invariant == "I4" and v.rows == [0]
+        assert "every column from 3 on (width 5) must be 0" in v.rules[0]
+    # narrower than C + q stays a host failure, in every mode
+    with pytest.raises(InvariantViolation, match="width cache length \\+ new tokens"):
+        with guard_model(model, mode):
+            model(input_ids=ids, attention_mask=torch.ones(2, 2, dtype=torch.long),
+                  **cached(model, DynamicCache()))
+
+
 def test_catches_a_cache_not_cropped_after_rejection(model, refs):
     with pytest.raises(InvariantViolation) as err:
         with guard_model(model):

@@ -123,6 +123,26 @@ def test_the_content_rules_are_silent_on_the_engine(family, strategy):
             g.content.skipped
 
 
+@pytest.mark.parametrize("strategy", strategy_names())
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_guard_is_silent_on_the_engine_with_static_shapes(family, strategy):
+    """static_shapes=True hands the target 2-D masks wider than C + q (key widths in
+    buckets, 0 past C + q): the coherence and content rules stay silent, and the tokens
+    are the reference's."""
+    target = models.tiny(family)
+    ref = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET)
+    for mode in ("strict", "fast"):
+        try:
+            with guard_model(target, mode, prompts=PROMPTS, max_new_tokens=BUDGET) as g:
+                res = specdec.generate(target, PROMPTS, drafter=drafters.NGramDrafter(),
+                                       strategy=strategy, k=K, batch_size=3, policy="fixed",
+                                       max_new_tokens=BUDGET, static_shapes=True)
+        except NotImplementedError as e:  # a strategy this model cannot serve
+            pytest.skip(str(e))
+        assert res.sequences == ref
+        assert g.check_outputs(res.sequences) == [] and g.forwards > 2
+
+
 @settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck))
 @given(family=st.sampled_from(models.FAMILIES), strategy=st.sampled_from(strategy_names()),
        lengths=draft_lengths(len(PROMPTS), K, BUDGET))
