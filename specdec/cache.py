@@ -126,8 +126,9 @@ class _Slab:
 
     def spare_rows(self, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the spare buffer (made on first use, zeroed: every
-        slot of either buffer always holds a finite value, which a forward attending a key
-        bucket past the width relies on)."""
+        slot and row of either buffer always holds a finite value, which a forward attending
+        a key bucket past the width, or a padded forward computing on a spare row
+        (``SlabCache.padding_rows``), relies on)."""
         if self.spare is None or self.spare.shape != self.store.shape:
             self.spare = torch.zeros_like(self.store)
         return self.spare[:, :, :rows]
@@ -339,6 +340,21 @@ class SlabCache(Cache):
             torch.index_select(kv, 2, moved_from, out=tmp)
             kv.index_copy_(2, moved_to, tmp)
         slab.rows = kept
+
+    def padding_rows(self, extra: int) -> bool:
+        """Let the next forward run over ``extra`` rows past the rows in use (rows of the
+        store nothing reads: their slots hold zeros or a departed row's states, finite
+        either way); False when the store has no such rows. ``unpad`` ends it. A forward
+        computes every row on its own, so the rows in use get what they would without."""
+        slab = self.slab
+        if slab.store is None or slab.rows + extra > slab.store.shape[2]:
+            return False
+        slab.rows += extra
+        return True
+
+    def unpad(self, extra: int) -> None:
+        """Back to the rows in use after a forward over ``padding_rows(extra)``."""
+        self.slab.rows -= extra
 
     def crop(self, width: int) -> None:
         """Forget every slot from ``width`` on (no copy: later forwards overwrite them)."""

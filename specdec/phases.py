@@ -231,6 +231,10 @@ class State:
     # strategies that decode batch after batch, the one target cache they all reuse
     buffers: static.Buffers | None = None
     cache: cache_mod.SlabCache | None = None
+    # (batch, [B, 1, V] logits): a primed prefill computed the pending token of every row
+    # of ``batch`` too (``prefill(prime=True)``); its first step, when plain, uses these
+    # logits instead of a forward (``speculate``). None otherwise
+    primed: tuple | None = None
 
 
 def begin_static(ctx: Context, state: State, rows: int, capacity: int,
@@ -296,11 +300,21 @@ def timed(state: State, phase: str, t0: float) -> float:
 @torch.no_grad()
 def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[int],
             budgets: list[int], capacity: Capacity | None = None,
-            cache: cache_mod.SlabCache | None = None) -> RaggedBatch:
+            cache: cache_mod.SlabCache | None = None, prime: bool = False) -> RaggedBatch:
     """Right-align the prompts and compute the target (and drafter) cache of all but the
     pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
     ``layout.contiguous_capacity``, the contiguous profile's need); ``cache``: a target
-    cache to reuse (emptied; static shapes: the run's one cache), else a new one."""
+    cache to reuse (emptied; static shapes: the run's one cache), else a new one.
+
+    ``prime``: when the rows' first step is plain (every admitted ``k_b`` is 0), the
+    prefill forward covers the pending token too (as plain decoding's prefill does) and
+    keeps its logits in ``state.primed``; the cache's width stays ``W - 1`` (the pending
+    token's slot is written but not yet filled, ``SlabCache.crop``), so every view reads as
+    without priming. The first step then verifies from those logits and fills the slot
+    instead of running a width-1 forward of its own (``speculate``): a plain step of the
+    speculative loop costs what plain decoding's does, from the first one on. The policy
+    is asked for the first ``k_b`` before the target's forward (its evidence reads tokens
+    only)."""
     t0 = time.perf_counter()
     dev = next(ctx.target.parameters()).device
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
@@ -326,14 +340,22 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
     )
     record = None
     cw = layout.cache_width(w)
-    if cw > 0:
-        ids, pos, mask = tokens[:, :cw], positions[:, :cw], valid[:, :cw]
-        cache_mod.forward(ctx.target, ids, pos, mask, batch.target_cache, last_logits=True)
-        record = ForwardRecord(ids, pos, mask, 0, window=ctx.target_window)
     ctx.drafter.prefill(batch)
     lengths = ctx.policy.admit(row_ids, batch, ctx.drafter)  # the rows' first k_b (host)
     state.admitted_lengths = list(lengths)
     state.draft_k = next_draft_k(ctx, max(lengths, default=0))
+    state.primed = None
+    primed = prime and state.draft_k == 0
+    if cw > 0 or primed:
+        q = w if primed else cw
+        logits = cache_mod.forward(ctx.target, tokens[:, :q], positions[:, :q], valid[:, :q],
+                                   batch.target_cache, last_logits=True)
+        if primed:  # the pending token's slot is written, not filled (see the docstring)
+            batch.target_cache.crop(cw)
+            state.primed = (batch, logits)
+        if cw > 0:  # what the cache holds: the slots before the pending token
+            record = ForwardRecord(tokens[:, :cw], positions[:, :cw], valid[:, :cw], 0,
+                                   window=ctx.target_window)
     timed(state, "prefill", t0)
     emit(ctx, state, "prefill", batch, forward=record)
     return batch
@@ -360,6 +382,9 @@ class Spec:
     bad_drafts: torch.Tensor | None = None
     # [B] long: the rows' draft lengths k_b this step (each <= k)
     lengths: torch.Tensor | None = None
+    # the step verified from a primed prefill's logits (no forward of its own: its cost
+    # is not a step's, so the policy does not observe it)
+    primed: bool = False
 
     @property
     def k(self) -> int:
@@ -427,14 +452,19 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     else:
         inputs, positions, mask, kpos = verify_inputs(ctx, state, batch, drafts, i, by_position)
         key_width = mask.shape[1]
-    # what the model attends with
-    given = cache_mod.model_mask(ctx.target, mask, positions, kpos,
-                                 None if key_width is None else cw)
-    if key_width is not None and kpos is not None:  # a 4-D mask: into the run's buffers
-        given = state.buffers.hold(given)
     cache_before = batch.target_cache.width
-    logits = cache_mod.forward(ctx.target, inputs, positions, mask, batch.target_cache,
-                               mask=given, key_width=key_width)
+    stash, state.primed = state.primed, None
+    primed = stash is not None and stash[0] is batch and k == 0 and kpos is None
+    if primed:  # the prefill computed the pending token (``prefill(prime=True)``): its
+        given, logits = mask, stash[1]  # slot is filled now, as the forward would have
+        batch.target_cache.advance(1)
+    else:  # what the model attends with
+        given = cache_mod.model_mask(ctx.target, mask, positions, kpos,
+                                     None if key_width is None else cw)
+        if key_width is not None and kpos is not None:  # a 4-D mask: into the run's buffers
+            given = state.buffers.hold(given)
+        logits = verify_forward(ctx.target, inputs, positions, mask, batch.target_cache, given,
+                                key_width)
     if key_width is not None and ctx.hooks:  # the views see the C + q real columns
         inputs, positions, mask, given = static_record(ctx, inputs, positions, mask, given,
                                                        cw + k + 1)
@@ -459,7 +489,47 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     timed(state, "commit", t)
     emit(ctx, state, "commit", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          accepted=accepted, committed=committed, generated_before=before)
-    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad, lengths)
+    return Spec(drafts, limit, predictions, accepted, committed, proposed, bad, lengths, primed)
+
+
+def padding_row(target, device, rows: int, width: int) -> int:
+    """Rows to add to a verify forward of ``rows`` x ``width`` tokens: 1 for a plain
+    step (``width`` 1) on a CPU when ``rows`` is 3 modulo 4, else 0. Measured here (MKL
+    sgemm, AVX-512, one thread; SmolLM2's 576 x 1536 product): over M = 3, 7, 11, 15
+    token rows a product costs 200, 289, 361, 425 us, over M + 1 rows 171, 238, 305,
+    375 us (its kernel takes rows 4 at a time, then 2, then 1), and a SmolLM2 step over 7
+    rows 115 ms against 103 ms over 8. Rows leave the batch as they finish, so without it
+    a batch of 8 went on at 7 rows, each plain step 11% dearer than plain decoding's
+    (which keeps finished rows). A wider step would add ``width`` token rows, which does
+    not pay (M = 3 -> 6: 200 -> 232 us). Not on a model a guard observes (it has forward
+    hooks: they would see the extra row)."""
+    if torch.device(device).type != "cpu" or width != 1 or rows % 4 != 3:
+        return 0
+    if target._forward_hooks or target._forward_pre_hooks:
+        return 0
+    return 1
+
+
+def verify_forward(target, inputs, positions, mask, cache, given,
+                   key_width: int | None = None) -> torch.Tensor:
+    """``cache_mod.forward`` of the verify step (logits [B, q, V]), over one extra row
+    when ``padding_row`` says it is cheaper: a copy of row 0's inputs, positions and
+    mask on a spare row of the cache (``SlabCache.padding_rows``); its logits are dropped
+    and no row in use reads it. Without a spare row, with a mask other than 2-D, or with
+    static shapes (``key_width``: the inputs are the run's fixed buffers), as is."""
+    b, q = inputs.shape
+    extra = 0 if key_width is not None else padding_row(target, inputs.device, b, q)
+    if (not extra or not isinstance(given, torch.Tensor) or given.dim() != 2
+            or not isinstance(cache, cache_mod.SlabCache) or not cache.padding_rows(extra)):
+        return cache_mod.forward(target, inputs, positions, mask, cache, mask=given,
+                                 key_width=key_width)
+    try:
+        pad = lambda x: torch.cat([x, x[:1].expand(extra, *x.shape[1:])])  # noqa: E731
+        logits = cache_mod.forward(target, pad(inputs), pad(positions), pad(mask), cache,
+                                   mask=pad(given))
+    finally:
+        cache.unpad(extra)
+    return logits[:b]
 
 
 def verify_inputs(ctx: Context, state: State, batch: RaggedBatch, drafts: torch.Tensor,
@@ -563,7 +633,8 @@ def step(ctx: Context, state: State, batch: RaggedBatch, done: list,
     batch = after_step(ctx, state, batch, spec, host)
     state.draft_k = host.next_k  # the next step: max k_b over the rows that stay
     timed(state, "realign", t)
-    cost.observe(spec.k + 1, len(host.finished))
+    if not spec.primed:
+        cost.observe(spec.k + 1, len(host.finished))
     emit(ctx, state, "realign", batch)
     return batch
 
@@ -584,7 +655,7 @@ class StepCost:
 def run_batch(ctx: Context, state: State, prompts, row_ids, budgets, done: list, *,
               capacity: Capacity, after_step: AfterStep) -> None:
     """Prefill one batch and step it until every row finished."""
-    batch = prefill(ctx, state, prompts, row_ids, budgets, capacity, state.cache)
+    batch = prefill(ctx, state, prompts, row_ids, budgets, capacity, state.cache, prime=True)
     while batch is not None:
         batch = step(ctx, state, batch, done, after_step)
 

@@ -15,7 +15,9 @@ scheduler picks).
 - ``begin(k, requests, device)``: a ``generate`` call starts (``k``: the most drafts per
   row; ``requests``: how many prompts, indexed by ``row_ids``);
 - ``admit(row_ids, batch, drafter) -> list[int]``: rows enter (prefill; ``batch``: the
-  admitted rows after their prefill, the pending token last); their ``k_b`` for their
+  admitted rows, the pending token last, after the drafter's prefill and before the
+  target's forward, which covers the pending token too when every returned ``k_b`` is 0:
+  ``phases.prefill(prime=True)``); their ``k_b`` for their
   first step, as host integers (the device table holds the same values; a policy that
   plans them on the device reads them once per prefill, never in a step);
 - ``lengths(batch, k_step) -> [B] long``: this step's ``k_b`` of the batch's rows (device,
