@@ -501,7 +501,7 @@ class Monitor(Checker):
         if self._deferred:
             self._settle()
         if self._kv is not None:  # fast mode: the run's target-cache provenance, at once
-            self._kv.settle(self._consts)
+            self._kv.settle()
         super().read()
 
     def _advance(self, view: StepView) -> None:

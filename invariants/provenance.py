@@ -354,7 +354,7 @@ class KVProvenance:
         return table.mismatches(view.row_ids, fp, pos, valid)
 
     # -- fast mode: the target cache's records and checks, once per run --------------------
-    def settle(self, consts) -> None:
+    def settle(self) -> None:
         """Fill the mask of every target forward still waiting (fast mode, before the
         read): the rows ``detect`` flags, or'ed with the hook's draft-cache rows."""
         waiting = [it for it in self._items
@@ -587,26 +587,6 @@ def detect(forwards: list) -> dict:
         if id(it) not in out:  # a layout ``detect`` does not read: ``exact`` judges
             out[id(it)] = torch.ones(it.fp.shape[0], dtype=torch.bool, device=it.fp.device)
     return out
-
-
-_BLOCKS: dict = {}
-
-
-def _block(b: int, n: int, value, device) -> torch.Tensor:
-    """[b, n], all ``value`` (bool, or long for an int; None: long, 1 in column 0 and 0
-    elsewhere, a forward's first slot), made by fill kernels once per shape, value and
-    device."""
-    key = (b, n, value, type(value), device)
-    t = _BLOCKS.get(key)
-    if t is None:
-        if len(_BLOCKS) >= 4096:
-            _BLOCKS.clear()
-        dtype = torch.bool if type(value) is bool else torch.long
-        t = torch.full((b, n), 0 if value is None else value, dtype=dtype, device=device)
-        if value is None and n:
-            t[:, :1].fill_(1)
-        _BLOCKS[key] = t
-    return t
 
 
 def describe(entry: Entry, rows: list, limit: int = 4):
