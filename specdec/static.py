@@ -93,9 +93,6 @@ class Buffers:
         # first use (only sliding-window models with holes build them)
         self.masks4: dict = {}
 
-    def fits(self, rows: int, capacity: int, widths) -> bool:
-        return rows <= self.rows and capacity <= self.capacity and all(q in self.ids for q in widths)
-
     def inputs(self, b: int, q: int, cached: int, capacity: int):
         """(ids [b, q], pos [b, q], mask [b, K], kpos [b, K]) views for a forward of ``q``
         tokens over ``cached`` cache slots, K = ``key_bucket(cached + q, capacity)``; the
@@ -106,7 +103,6 @@ class Buffers:
         mask = self.mask[:b, :kw]
         mask[:, cached + q :].zero_()
         return self.ids[q][:b], self.pos[q][:b], mask, self.kpos[:b, :kw]
-
 
     def hold(self, given, kind=None):
         """A 4-D mask ``[B, 1, q, K]`` (or a dict of them per layer type) copied into this
