@@ -15,6 +15,7 @@ gives the contiguous view of such a batch (an int gather) for drafters that read
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ PAD_FILL = 0
 #: as they are), and with the layout fields every ``[batch_size, ...]`` tensor of a batch
 REQUEST_FIELDS = ("prompt_lengths", "budgets", "generated", "finished", "row_ids", "output")
 ROW_FIELDS = ("tokens", "valid", "positions", "lengths") + REQUEST_FIELDS
+_row_fields = operator.attrgetter(*ROW_FIELDS)
 
 
 def take_rows(source, order: torch.Tensor, names=REQUEST_FIELDS) -> dict:
@@ -115,21 +117,21 @@ class RaggedBatch:
         the step's facts. The cache facts default to the batch's ``SlabCache``s (an engine
         with another cache passes its own); ``extra``: the phase-specific fields
         (``drafts``, ``forward``, ...), or a row field to show instead of the batch's own
-        (a known-bad engine shows the positions its model used)."""
+        (a known-bad engine shows the positions its model used). ``info`` is taken over,
+        not copied: pass a new dict per view."""
         tc, dc = self.target_cache, self.draft_cache
         if cache_widths is None:
             cache_widths = tuple(tc.layer_widths())
-            cache_batch_sizes = tuple([tc.batch_size] * len(tc.layers))
+            cache_batch_sizes = (tc.batch_size,) * len(tc.layers)
             cache_tensors = tc.layer_tensors
-        fields = {name: getattr(self, name) for name in ROW_FIELDS}
+        fields = dict(zip(ROW_FIELDS, _row_fields(self)))
         fields.update(
             step=step, phase=phase, profile=profile, k=k, stop_token_ids=stop_token_ids,
             cache_widths=cache_widths, cache_batch_sizes=cache_batch_sizes,
             draft_cache_widths=tuple(dc.layer_widths()) if dc is not None else (),
             draft_cache_lag=draft_cache_lag, model=model, cache_tensors=cache_tensors,
             draft_cache_tensors=dc.layer_tensors if dc is not None else None,
-            info=dict(info or {}))
-        fields.update(extra)  # a row field given here replaces the batch's own
+            info={} if info is None else info, **extra)  # extra: may replace a row field
         return build_view(fields)  # StepView(**fields), without its per-field setattr
 
     def stores(self) -> tuple:

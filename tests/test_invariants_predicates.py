@@ -388,3 +388,22 @@ def test_forward_record_of_the_toy_engine_is_well_formed():
     _, v = VIEWS[first("verify")]
     assert isinstance(v.forward, ForwardRecord)
     assert v.forward.attention_mask.shape[1] == v.forward.cache_width + v.k + 1
+
+
+def test_build_view_builds_the_dataclass_view_and_refuses_what_init_refuses():
+    """``view.build_view`` (what engines call after every phase, without the frozen
+    dataclass's per-field setattr) makes the view ``StepView(**fields)`` makes, and raises
+    TypeError on an unknown or a missing field, as ``__init__`` does."""
+    from invariants.view import StepView, build_view
+
+    for _, v in VIEWS[:6]:
+        fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(StepView)}
+        built = build_view(dict(fields))
+        assert type(built) is StepView and built == StepView(**fields)
+        fields.pop("info")  # a default factory: a new dict per view
+        assert build_view(dict(fields)).info == {}
+        with pytest.raises(TypeError, match="unexpected fields \\['nope'\\]"):
+            build_view({**fields, "nope": 1})
+        missing = {n: x for n, x in fields.items() if n != "tokens"}
+        with pytest.raises(TypeError, match="missing required fields \\['tokens'\\]"):
+            build_view(missing)
