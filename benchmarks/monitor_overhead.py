@@ -113,8 +113,8 @@ def hooks_for(config: str, target):
 
 
 def run_once(config: str, target, ids, strategy: str, device: str, args, max_new=None):
-    """(wall seconds, CPU seconds, sequences, seconds inside hooks, steps, CPU seconds of
-    the Monitor: its hook calls and its check) of one call."""
+    """(wall seconds, CPU seconds, sequences, seconds inside hooks, the engine's Stats, CPU
+    seconds of the Monitor: its hook calls and its check) of one call."""
     hooks, mon, guard = hooks_for(config, target)
     spent = [0.0]
     if mon is not None:  # the Monitor's own CPU time, measured inside this very run
@@ -125,7 +125,8 @@ def run_once(config: str, target, ids, strategy: str, device: str, args, max_new
 
         hooks = [hook]
     kw = dict(drafter=drafters.NGramDrafter(), k=args.k, batch_size=args.batch_size,
-              max_new_tokens=max_new or args.max_new_tokens, strategy=strategy)
+              max_new_tokens=max_new or args.max_new_tokens, strategy=strategy,
+              policy=args.policy)
     sync(device)
     w0, c0 = time.perf_counter(), time.process_time()
     if guard is not None:
@@ -139,7 +140,7 @@ def run_once(config: str, target, ids, strategy: str, device: str, args, max_new
             spent[0] += time.thread_time() - t0
     sync(device)
     return (time.perf_counter() - w0, time.process_time() - c0, res.sequences,
-            res.stats.seconds.get("checks", 0.0), res.stats.steps, spent[0])
+            res.stats.seconds.get("checks", 0.0), res.stats, spent[0])
 
 
 def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | None:
@@ -166,7 +167,7 @@ def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | Non
 
     res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           strategy=strategy, hooks=[hook])
+                           strategy=strategy, hooks=[hook], policy=args.policy)
     in_hooks = Count.ops
     with Count():  # fast mode checks the views that waited here (device ops), then reads
         mon.check()
@@ -200,13 +201,13 @@ def measure(setting: str, args) -> list[dict]:
         for rep in range(repeats):
             order = configs[rep % len(configs):] + configs[: rep % len(configs)]
             for c in order:
-                w, p, seqs, hook_s, n, mon_s = run_once(c, target, ids, strategy, device, args)
+                w, p, seqs, hook_s, st, mon_s = run_once(c, target, ids, strategy, device, args)
                 wall[c].append(w)
                 cpu[c].append(p)
                 inside[c].append(hook_s)
                 mon_cpu[c].append(mon_s / max(p - mon_s, 1e-9))
                 outputs.setdefault(c, seqs)
-                steps[c] = n
+                steps[c] = (st.steps, st.drafted)
         tokens = sum(len(s) for s in outputs["none"])
         base_w, base_c = statistics.median(wall["none"]), statistics.median(cpu["none"])
         for c in configs:
@@ -218,7 +219,8 @@ def measure(setting: str, args) -> list[dict]:
                    "cpu_overhead": mc / base_c - 1.0,
                    "hook_share": statistics.median(inside[c]) / mw,
                    "monitor_cpu_share": statistics.median(mon_cpu[c]),
-                   "identical": outputs[c] == outputs["none"], "steps": steps[c],
+                   "identical": outputs[c] == outputs["none"], "steps": steps[c][0],
+                   "drafted": steps[c][1], "policy": args.policy,
                    "tokens": tokens, "seconds": wall[c], "cpu_seconds": cpu[c]}
             if args.count:
                 row.update(per_step_counts(c, target, ids, strategy, args) or {})
@@ -231,8 +233,12 @@ def measure(setting: str, args) -> list[dict]:
 
 def report(rows: list[dict], args) -> None:
     print(f"{sorted({r['repeats'] for r in rows})} interleaved repeats per configuration, k={args.k}, batch "
-          f"{args.batch_size}, {args.max_new_tokens} new tokens, n-gram drafter; overhead = "
-          f"median against 'none' (wall, and process CPU time)")
+          f"{args.batch_size}, {args.max_new_tokens} new tokens, n-gram drafter, policy "
+          f"{args.policy}; overhead = median against 'none' (wall, and process CPU time)")
+    for r in rows:
+        if r["config"] == "none":
+            print(f"  {r['setting']}/{r['strategy']}: {r['steps']} steps, {r['drafted']} drafts "
+                  "per run")
     head = (f"{'setting':<7} {'model':<22} {'strategy':<7} {'config':<13} {'wall s':>8} "
             f"{'overhead':>9} {'cpu ovh':>8} {'in hooks':>9} {'mon cpu':>8} {'ops/step':>9} "
             f"{'reads/step':>10} "
@@ -277,6 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
+                    help="draft lengths: the engine's default (adaptive: on the cheap "
+                         "setting's random prompts it drafts next to nothing) or fixed k")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--real-repeats", type=int, default=None,
                     help="repeats of the real setting (default --repeats): a real model's "
