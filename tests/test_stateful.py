@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import invariants
 import specdec
+from specdec import batch as batch_mod
 from specdec import drafters, models, phases, strategies
 from specdec.strategies import exspec
 from harness import tiny_target
@@ -159,12 +160,13 @@ class PoolMachine(Machine):
     @rule()
     def step(self):
         rows, grouped, reuse = exspec.schedule(self.pool, BATCH, self.reusable)
-        batch = exspec.build(self.pool, rows, reuse, self.tcache, None)
+        R = batch_mod.host_rows(rows, self.pool.tokens.device)
+        batch = exspec.build(self.pool, rows, R, reuse, self.tcache, None)
         self.state.profile = exspec.PROFILE if grouped else exspec.FALLBACK_PROFILE
         phases.emit(self.ctx, self.state, "realign", batch)
         spec = phases.speculate(self.ctx, self.state, batch)
         host = phases.sync(self.ctx, self.state, batch, spec)
-        exspec.write_back(self.ctx, self.state, self.pool, rows, batch, spec, host)
+        exspec.write_back(self.ctx, self.state, self.pool, rows, R, batch, spec, host)
         phases.retire(batch, host, self.done)
         same = len(set(host.committed)) == 1 and not any(host.finished)
         self.reusable = rows if grouped and same else None

@@ -9,6 +9,8 @@ once per step, plus a constant per call and per prefill (a batch or an admission
 - per step: the speculative loop's one read (``phases.sync``: which rows finished, the
   next step's width), the plain loop's one deferred read (has every row finished?);
 - per call: ``phases.collect`` reads every output once;
+- uploads: none per step in the fixed-batch strategies, at most one in EXSPEC (the pool
+  rows of a newly scheduled group);
 - per prefill: transformers' check whether a prefill may skip its mask (two reads in
   ``masking_utils._ignore_causal_mask_sdpa``), the adaptive policy's first draft lengths
   (``admit``) and, in the plain loop, the batch's outputs.
@@ -93,6 +95,13 @@ def test_the_speculative_loop_reads_the_host_at_most_once_per_step(strategy, pol
     # the step's one read is phases.sync's; nothing else reads once per step
     in_sync = sum(e.kind == "read" and e.where.endswith("in sync") for e in log.events)
     assert in_sync == steps
+    # uploads: none per step, but EXSPEC's pool rows of a newly scheduled group (one at
+    # most per step, none when the group is served again); per call and per prefill, the
+    # stop ids and the policy's prior, the prompts (one per row), the batch's per-row facts
+    uploads = [e.where for e in log.events if e.kind == "upload"]
+    rows_up = sum(w.endswith("in host_rows") for w in uploads)
+    assert rows_up <= (steps + prefills if strategy == "exspec" else 0), uploads
+    assert len(uploads) - rows_up <= 2 + len(PROMPTS) + 5 * prefills, uploads
     if monitor:
         assert hooks[0].check() == []
 

@@ -186,11 +186,11 @@ def schedule(pool: Pool, batch_size: int, reusable: list | None, step: int | Non
     return sorted(order[:g]), False, False
 
 
-def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
-    """The compute batch of pool rows ``rows``, right-aligned at the longest row's width;
-    the caches are loaded from the pool (one gather each) unless ``reuse``."""
+def build(pool: Pool, rows: list, R: torch.Tensor, reuse: bool, tcache, dcache) -> RaggedBatch:
+    """The compute batch of pool rows ``rows`` (``R``: the same, [G] long on the device),
+    right-aligned at the longest row's width; the caches are loaded from the pool (one
+    gather each) unless ``reuse``."""
     dev = pool.tokens.device
-    R = host_rows(rows, dev)
     w = max(pool.n[p] for p in rows)
     n = pool.lengths.index_select(0, R)
     j = torch.arange(w, device=dev)[None, :]
@@ -211,11 +211,12 @@ def build(pool: Pool, rows: list, reuse: bool, tcache, dcache) -> RaggedBatch:
                        target_cache=tcache, draft_cache=dcache, **take_rows(pool, R, POOL_FIELDS))
 
 
-def write_back(ctx, state, pool: Pool, rows: list, batch: RaggedBatch, spec, host) -> None:
-    """Scatter the step's new KV slots, committed tokens and outputs into the pool rows;
-    update the host lengths; free the rows that finished."""
+def write_back(ctx, state, pool: Pool, rows: list, R: torch.Tensor, batch: RaggedBatch, spec,
+               host) -> None:
+    """Scatter the step's new KV slots, committed tokens and outputs into the pool rows
+    (``rows``; ``R`` the same on the device); update the host lengths; free the rows that
+    finished."""
     k, dev = spec.k, batch.device  # this step's drafts (max k_b)
-    R = host_rows(rows, dev)
     n = batch.lengths
     i = torch.arange(k + 1, device=dev)[None, :]
     dest = layout.verify_position(n[:, None], i)  # pool slots of pending, d_1 .. d_k
@@ -251,12 +252,14 @@ def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: 
     if ctx.static_shapes:
         begin_static(ctx, state, min(batch_size, pool.size), pool.compute_capacity, tcache)
     admit(ctx, state, pool)
-    reusable = None
+    reusable, R = None, None
     while pool.active():
         t = time.perf_counter()
         cost = StepCost(ctx, state)
         rows, grouped, reuse = schedule(pool, batch_size, reusable, state.step)
-        batch = build(pool, rows, reuse, tcache, dcache)
+        # the rows' pool indices on the device: one upload per new group, none on reuse
+        R = R if reuse else host_rows(rows, dev)
+        batch = build(pool, rows, R, reuse, tcache, dcache)
         state.profile = PROFILE if grouped else FALLBACK_PROFILE
         # the step's width: max k_b of its rows (static shapes: its bucket)
         state.draft_k = next_draft_k(ctx, max(pool.kb[p] for p in rows))
@@ -266,7 +269,7 @@ def run(ctx, state, ids: list, *, batch_size: int, max_new_tokens: int, window: 
         host = sync(ctx, state, batch, spec)
         t = time.perf_counter()
         state.stats.grouped_steps += int(grouped)
-        write_back(ctx, state, pool, rows, batch, spec, host)
+        write_back(ctx, state, pool, rows, R, batch, spec, host)
         retire(batch, host, done)
         same = len(set(host.committed)) == 1 and not any(host.finished)
         reusable = rows if grouped and same else None
