@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import json
 import operator
+import warnings
 from collections import Counter
 
 import torch
@@ -266,6 +267,9 @@ class Monitor(Checker):
         self._groups = tuple(g for g in R.GROUPS if g.invariant in chosen)
         names = {g.name for g in self._groups}
         self._fusions = tuple(f for f in R.FUSIONS if all(n in names for n in f.groups))
+        #: fast mode: deferred checks keep the view's tensors by reference (``rules.Refs``)
+        #: until an engine is seen writing a view's tensors in place after its hook
+        self._by_reference = True
         self._consts = R.Constants()
         self._reset_run()
 
@@ -287,6 +291,10 @@ class Monitor(Checker):
         # key, evidence) (``_settle``); and the last view's snapshot, for ``_advance``
         self._deferred: list = []
         self._snapshot = None
+        # fast mode: the waiting checks of the last hook that kept references (``Refs``),
+        # compared at the next hook: an engine that writes its views' tensors in place
+        # after the hook makes the monitor copy from then on (``_by_reference``)
+        self._last_refs: list = []
         # I5 provenance and the draft cache's lag (invariants/provenance.py)
         self._kv = PV.KVProvenance(self.remember_rows, provenance="I5" in self.invariants,
                                    lag="I1" in self.invariants, defer=self.mode == "fast") \
@@ -310,6 +318,10 @@ class Monitor(Checker):
                 and self._pending[-1].context["view"].step != view.step:
             self.read()  # the previous step ended without a commit view
         self.calls += 1
+        if self._last_refs:  # did the engine write the last views' tensors in place?
+            if not all(r.intact() for r in self._last_refs):
+                self._by_reference = False  # copy from now on (their check flags them)
+            self._last_refs = []
         if self.coverage is not None:
             self.coverage(phase, view)
         entry = self._cheap(view)
@@ -381,11 +393,13 @@ class Monitor(Checker):
         masks, shared, waiting = [], {}, []
         for fusion in plan.fusions_for(bits):
             if fusion.defer is not None and self.mode == "fast":
-                # fast mode reads at the end: copy what the fusion reads (a snapshot the
-                # monitor keeps anyway, two stacks) and check every such view at once
+                # fast mode reads at the end: keep references to what the fusion reads
+                # (or copy it: a snapshot the monitor keeps anyway, two stacks) and check
+                # every such view at once
+                defer = fusion.refer if self._by_reference and fusion.refer is not None \
+                    else fusion.defer
                 try:
-                    wait = fusion.defer(facts, self._snapshot_of(view) if fusion.snapshot
-                                        else None)
+                    wait = defer(facts, self._snapshot_of(view) if fusion.snapshot else None)
                 except (RuntimeError, IndexError, ValueError, AttributeError):
                     wait = None
                 if wait is not None:
@@ -434,6 +448,8 @@ class Monitor(Checker):
             "stops": facts.stops, "history_len": len(self._history)})
         for index, fusion, key, evidence in waiting:
             self._deferred.append((entry, index, fusion, key, evidence))
+            if isinstance(evidence, R.Refs):
+                self._last_refs.append(evidence)
         return entry
 
     def _snapshot_of(self, view: StepView) -> torch.Tensor:
@@ -448,11 +464,19 @@ class Monitor(Checker):
         view by view; a view whose own check raises runs its groups one by one, on the
         view as it is now (the errors then say why, as at the hook)."""
         items, self._deferred = self._deferred, []
+        self._last_refs = []
         by_key: dict = {}
         for entry, index, fusion, key, evidence in items:
-            by_key.setdefault((fusion, key), []).append((entry, index, evidence))
-        for (fusion, key), members in by_key.items():
+            refs = isinstance(evidence, R.Refs)
+            if refs and not evidence.intact():
+                self._unreferenced(entry, index, fusion, evidence)
+                continue
+            by_key.setdefault((fusion, key, refs), []).append((entry, index, evidence))
+        for (fusion, key, refs), members in by_key.items():
             stops = members[0][0].context["stops"]
+            if refs:
+                self._settle_refs(fusion, key, members, stops)
+                continue
             try:
                 flags = fusion.batch(key, [e for _, _, e in members], self._consts, stops)
                 parts = flags.split([e.size for _, _, e in members]) \
@@ -466,6 +490,41 @@ class Monitor(Checker):
                     except (RuntimeError, IndexError, ValueError, AttributeError):
                         m = self._one_by_one(entry, index, fusion)
                 entry.masks[index] = m
+
+    def _unreferenced(self, entry: Entry, index: int, fusion, evidence) -> None:
+        """A view whose tensors were written in place after its hook (by the engine or
+        a later hook): its references show what the hook did not see, so its deferred
+        groups are not judged on them. Listed in ``unchecked`` with a warning (never
+        silently), and the monitor copies in every later hook (``_by_reference``)."""
+        view = entry.context["view"]
+        entry.masks[index] = self._consts.zeros(evidence.size, view.device)
+        self._by_reference = False
+        changed = [i for i, (t, v) in enumerate(zip(evidence.tensors, evidence.versions))
+                   if t._version != v]
+        reason = (f"step {view.step} {view.phase}: the view's tensors were written in place "
+                  f"after its hook (fast mode checks them by reference at the read; "
+                  f"tensors {changed} of the check's inputs changed), so the groups "
+                  f"{list(fusion.groups)} were not checked on this view; later views are "
+                  f"copied in the hook")
+        self.unchecked.append({"run": self.runs, "invariant": ", ".join(dict.fromkeys(
+            R.GROUPS_BY_NAME[g].invariant for g in fusion.groups)), "step": view.step,
+            "phase": view.phase, "groups": list(fusion.groups), "reason": reason})
+        warnings.warn(f"invariants.Monitor(fast): {reason}", RuntimeWarning, stacklevel=3)
+
+    def _settle_refs(self, fusion, key, members: list, stops) -> None:
+        """``_settle`` for checks that waited by reference (``rules.Refs``, every one
+        intact): all at once, else one by one, else the groups one by one."""
+        try:
+            parts = fusion.batch_refs(key, [e for _, _, e in members], self._consts, stops)
+        except (RuntimeError, IndexError, ValueError, AttributeError):
+            parts = [None] * len(members)
+        for (entry, index, evidence), m in zip(members, parts):
+            if m is None:
+                try:
+                    m = fusion.batch_refs(key, [evidence], self._consts, stops)[0]
+                except (RuntimeError, IndexError, ValueError, AttributeError):
+                    m = self._one_by_one(entry, index, fusion)
+            entry.masks[index] = m
 
     def _one_by_one(self, entry: Entry, index: int, fusion) -> torch.Tensor:
         """The groups of a fusion that could not be checked at once, one by one on the

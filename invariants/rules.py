@@ -976,6 +976,10 @@ class Fusion:
     # ``defer`` reads the view's snapshot table (else it is given None: a monitor builds
     # the table only for the views whose check needs it)
     snapshot: bool = False
+    # fast mode by reference (``Refs``): (facts, snapshot table) -> (key, Refs) or None,
+    # and ``batch_refs(key, [Refs], consts, stops)`` -> per Refs its [B] bool flags
+    refer: Callable | None = None
+    batch_refs: Callable | None = None
 
 
 #: a coefficient that switches a constraint off (any count in a view is far below it)
@@ -1136,12 +1140,9 @@ class CommitEvidence:
         return self.table.shape[0]
 
 
-def commit_evidence(f: Facts, table: torch.Tensor):
-    """(key, CommitEvidence) of a commit view whose check can wait (``commit_batch``
-    checks the evidence of every commit of one key at once), or None when the commit
-    fusion must run now: it does not apply, or the view's extra row fields are not [B]
-    long (only well-formed views wait; the others run one by one at once, as before).
-    ``table``: the view's ``Snapshot.of`` table."""
+def _commit_wait(f: Facts, table: torch.Tensor):
+    """(key, the five [B] long row fields, previous rows, found) of a commit view whose
+    check can wait, or None (see ``commit_evidence``)."""
     if not _commit_ready(f):
         return None
     v = f.view
@@ -1153,6 +1154,20 @@ def commit_evidence(f: Facts, table: torch.Tensor):
     rows, found = f._rows_of(f.prev)
     key = (v.k, v.output.shape[1], f.stops if not isinstance(f.stops, torch.Tensor)
            else id(f.stops), f.device, found is None)
+    return key, fields, rows, found
+
+
+def commit_evidence(f: Facts, table: torch.Tensor):
+    """(key, CommitEvidence) of a commit view whose check can wait (``commit_batch``
+    checks the evidence of every commit of one key at once), or None when the commit
+    fusion must run now: it does not apply, or the view's extra row fields are not [B]
+    long (only well-formed views wait; the others run one by one at once, as before).
+    ``table``: the view's ``Snapshot.of`` table."""
+    wait = _commit_wait(f, table)
+    if wait is None:
+        return None
+    key, fields, rows, found = wait
+    v = f.view
     return key, CommitEvidence(table, torch.stack(fields), torch.cat([v.predictions, v.drafts], 1),
                                rows, found)
 
@@ -1267,20 +1282,30 @@ class RealignEvidence:
         return self.slots.shape[0]
 
 
-def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
-    """(key, RealignEvidence) of a realign view of ``profile`` whose check can wait
-    (``realign_batch``), or None when its fusion must run now (another phase or profile,
-    a shape it does not expect)."""
+def _realign_wait(f: Facts, profile: str):
+    """(holes, the remembered prompt rows, found) of a realign view of ``profile`` whose
+    check can wait, or None (see ``realign_evidence``)."""
     v = f.view
     if v.phase != "realign" or v.profile != profile or not _realign_ready(f):
         return None
-    b, w, row = f.B, v.width, (f.B,)
+    b, row = f.B, (f.B,)
     if v.valid.shape != v.tokens.shape or v.positions.shape != v.tokens.shape \
             or v.output.dim() != 2 or v.output.shape[0] != b \
             or any(x.shape != row for x in (v.lengths, v.prompt_lengths, v.generated, v.finished)):
         return None
-    holes = v.profile == "holes"
     prompts, found = f._rows_of(f.prompts)
+    return v.profile == "holes", prompts, found
+
+
+def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
+    """(key, RealignEvidence) of a realign view of ``profile`` whose check can wait
+    (``realign_batch``), or None when its fusion must run now (another phase or profile,
+    a shape it does not expect)."""
+    wait = _realign_wait(f, profile)
+    if wait is None:
+        return None
+    v, b, w = f.view, f.B, f.view.width
+    holes, prompts, found = wait
     # the extra column is nonzero where the flag holds: holes, finished; contiguous,
     # max(lengths) - W (the minimal-width rule), already long
     extra = P._long(f.finished) if holes else (v.lengths.max() - w).expand(b)
@@ -1406,14 +1431,188 @@ def forward_batch(key, evidence: list, consts: Constants, stops=None) -> torch.T
                          ints[:, 2 * q : 3 * q], ints[:, 3 * q], consts=consts, device=device)
 
 
+# -- fast mode by reference: the hook keeps the view's tensors, the read copies them -------
+# An engine that never writes a view's tensors in place after its hook (this project's:
+# ``_version`` unchanged, tested) lets the check wait with references instead of copies:
+# ``refer`` keeps the tensors a fusion reads and their versions (no aten op), and
+# ``batch_refs`` builds the fused expression's inputs at the read for every waiting view
+# at once, one ``cat`` per field over the views of one width (views of other widths
+# padded on the left, as ``*_batch`` does). A view whose tensors changed since the hook
+# (``Refs.intact``) cannot be checked from them: the Monitor flags it (its report says
+# the tensors were modified in place) and copies in later hooks (``defer``).
+
+@dataclass(frozen=True)
+class Refs:
+    """What a deferred fusion reads of one view, by reference: the view's ``tensors``
+    with their ``versions`` at the hook, the monitor's own tensors ``own`` (copies it
+    made, never written in place), and host facts ``facts`` (widths)."""
+
+    tensors: tuple
+    versions: tuple
+    own: tuple
+    facts: tuple
+    size: int
+
+    def intact(self) -> bool:
+        """Every tensor is unmodified since the hook (same ``_version``)."""
+        try:
+            return all(t._version == v for t, v in zip(self.tensors, self.versions))
+        except RuntimeError:  # pragma: no cover - refer() keeps no inference tensor
+            return False
+
+
+def _refs(tensors: tuple, own: tuple, facts: tuple, size: int) -> Refs | None:
+    try:  # an inference-mode tensor has no version counter: it waits as a copy
+        return Refs(tensors, tuple([t._version for t in tensors]), own, facts, size)
+    except RuntimeError:
+        return None
+
+
+def _cat(ts: list) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _split_back(flags: torch.Tensor, ordered: list, where: list) -> list:
+    """Per original ref, its [B] slice of ``flags`` (rows in ``ordered``'s order)."""
+    parts = flags.split([r.size for r in ordered]) if len(ordered) > 1 else (flags,)
+    return [parts[w] for w in where]
+
+
+def commit_refer(f: Facts, table: torch.Tensor):
+    """``commit_evidence`` by reference: (key, Refs) or None."""
+    wait = _commit_wait(f, table)
+    if wait is None:
+        return None
+    key, fields, rows, found = wait
+    v = f.view
+    refs = _refs(fields + (v.predictions, v.drafts), (table, rows, found), (), f.B)
+    return None if refs is None else (key, refs)
+
+
+def commit_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``commit_flags`` of its rows, every commit of one key in one
+    evaluation (one ``cat`` per field)."""
+    k, t, ids, device, _ = key
+    if stops is None:
+        stops = ids
+    col = [_cat([r.tensors[i] for r in refs]) for i in range(7)]
+    table = _cat([r.own[0] for r in refs])
+    rows = _cat([r.own[1] for r in refs])
+    found = None if refs[0].own[2] is None else _cat([r.own[2] for r in refs])
+    m, gb, a, lim, budgets, preds, drafts = col
+    flags = commit_flags(table[:, 3:], table[:, 1], table[:, 2] != 0, m, gb, a, lim, budgets,
+                         preds, drafts, rows, found, k=k, stops=stops, consts=consts,
+                         device=device)
+    return _split_back(flags, refs, list(range(len(refs))))
+
+
+def realign_refer(f: Facts, table=None, *, profile: str = "contiguous"):
+    """``realign_evidence`` by reference: (key, Refs) or None."""
+    wait = _realign_wait(f, profile)
+    if wait is None:
+        return None
+    v, b = f.view, f.B
+    holes, prompts, found = wait
+    key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
+    refs = _refs((v.tokens, v.positions, v.valid, v.output, v.lengths, v.prompt_lengths,
+                  v.generated, v.finished), (prompts, found), (v.width,), b)
+    return None if refs is None else (key, refs)
+
+
+def _per_view(refs: list, x: torch.Tensor, reduce) -> torch.Tensor:
+    """[N]: ``reduce`` of ``x`` [N] over each view's rows, repeated on its rows (one
+    reshape when every view has the same row count)."""
+    sizes = [r.size for r in refs]
+    if sizes.count(sizes[0]) == len(sizes):
+        v, b = len(sizes), sizes[0]
+        return reduce(x.view(v, b))[:, None].expand(v, b).reshape(-1)
+    return torch.cat([reduce(p[None])[0].expand(p.shape[0]) for p in x.split(sizes)])
+
+
+def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``realign_flags`` of its rows, every view of one key at once
+    (views of other widths padded on the left with invalid slots)."""
+    holes, _, t, device, _ = key
+    w = max(r.facts[0] for r in refs)
+    # [N, 3, W]: tokens, positions, valid (1/0; -1 on the padding: no slot of the view)
+    slots = _cat([torch.nn.functional.pad(x, (w - x.shape[2], 0), value=-1)
+                  if x.shape[2] != w else x
+                  for x in (torch.stack([r.tensors[0], r.tensors[1], r.tensors[2].long()], 1)
+                            for r in refs)])
+    out = _cat([r.tensors[3] for r in refs])
+    n, pl, g = (_cat([r.tensors[i] for r in refs]) for i in (4, 5, 6))
+    if holes:
+        extra = _cat([r.tensors[7] for r in refs]).bool()
+    else:  # the minimal-width rule: max(lengths) = W, per view (W: its real slots)
+        width = (slots[:, 2] >= 0).sum(dim=1)
+        extra = _per_view(refs, n, lambda x: x.amax(dim=1)) != width
+    prompts = _cat([r.own[0] for r in refs])
+    found = None if refs[0].own[1] is None else _cat([r.own[1] for r in refs])
+    flags = realign_flags(holes, slots[:, 0], slots[:, 2] == 1, slots[:, 1], n, pl, g, out,
+                          prompts, found, extra, consts=consts, device=device)
+    return _split_back(flags, refs, list(range(len(refs))))
+
+
+def forward_refer(f: Facts, table=None):
+    """``forward_evidence`` by reference: (key, Refs) or None."""
+    v, fw = f.view, f.view.forward
+    if fw is None or v.phase != "verify" or v.draft_limit is None or v.drafts is None:
+        return None
+    b, c, q = f.B, fw.cache_width, fw.input_ids.shape[-1]
+    span = c + q
+    w = v.tokens.shape[1]
+    m, pos = fw.attention_mask, fw.positions
+    if m.dim() != 2 or tuple(m.shape) != (b, span) or v.valid.dim() != 2 \
+            or tuple(v.valid.shape) != (b, w) or span != w + v.drafts.shape[1] \
+            or tuple(fw.input_ids.shape) != (b, q) or pos.dim() != 2 \
+            or pos.shape[0] not in (1, b) or pos.shape[1] != q \
+            or tuple(v.draft_limit.shape) != (b,) or c < 0 or c > w \
+            or tuple(v.drafts.shape) != (b, v.drafts.shape[1]):
+        return None
+    refs = _refs((fw.input_ids, pos, v.tokens, v.drafts, v.draft_limit, m, v.valid), (),
+                 (span, c, w), b)
+    return None if refs is None else ((q, f.device), refs)
+
+
+def forward_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``forward_flags`` of its rows, every forward of one q at once
+    (masks of other widths padded on the left with columns False in mask and valid)."""
+    q, device = key
+    s_max = max(r.facts[0] for r in refs)
+    flags, new = [], []
+    for r in refs:
+        span, c, w = r.facts
+        mask, valid = r.tensors[5], r.tensors[6]
+        part = torch.stack([mask if mask.dtype == torch.bool else mask.bool(), torch.cat(
+            [valid if valid.dtype == torch.bool else valid.bool(),
+             consts.ones(r.size, span - w, device)], 1)], 1)
+        flags.append(part if span == s_max
+                     else torch.nn.functional.pad(part, (s_max - span, 0)))
+        new.append(r.tensors[2][:, c:])
+    flags = _cat(flags)
+    ids = _cat([r.tensors[0] for r in refs])
+    pos = _cat([r.tensors[1] if r.tensors[1].shape[0] == r.size
+                else r.tensors[1].expand(r.size, q) for r in refs])
+    toks = torch.cat([_cat(new), _cat([r.tensors[3] for r in refs])], 1) \
+        if all(r.tensors[2].shape[1] - r.facts[1] == new[0].shape[1] for r in refs) \
+        else _cat([torch.cat([x, r.tensors[3]], 1) for x, r in zip(new, refs)])
+    lim = _cat([r.tensors[4] for r in refs])
+    got = forward_flags(flags[:, 0], flags[:, 1], ids, pos, toks, lim, consts=consts,
+                        device=device)
+    return _split_back(got, refs, list(range(len(refs))))
+
 FUSIONS = (
-    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch),
+    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch,
+           refer=forward_refer, batch_refs=forward_batch_refs),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
-           commit_batch, snapshot=True),
+           commit_batch, snapshot=True, refer=commit_refer, batch_refs=commit_batch_refs),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
-           realign_evidence, realign_batch),
+           realign_evidence, realign_batch, refer=realign_refer,
+           batch_refs=realign_batch_refs),
     Fusion(("I2.holes", "I2.holes_pending", "I3.positions", "I6.sequence"), _fused_holes_realign,
-           functools.partial(realign_evidence, profile="holes"), realign_batch),
+           functools.partial(realign_evidence, profile="holes"), realign_batch,
+           refer=functools.partial(realign_refer, profile="holes"),
+           batch_refs=realign_batch_refs),
 )
 
 # ---------------------------------------------------------------------------------------

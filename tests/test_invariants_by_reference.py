@@ -1,0 +1,101 @@
+"""Fast mode keeps what a deferred check reads by reference (``rules.Refs``), as a
+specification: an engine that never writes its views' tensors in place after the hook
+is checked from the views themselves at the read, with the reports of before; one that
+does is still reported (never checked silently from changed tensors), and the monitor
+copies from then on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from invariants import InvariantViolation, Monitor
+from invariants import rules as R
+from toy_engine import toy_views
+
+torch.set_num_threads(1)
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [9], [5, 6, 7, 8, 9]]
+VIEWS = list(toy_views(PROMPTS, k=3, budget=8, seed=0))
+REALIGNS = [i for i, (ph, _) in enumerate(VIEWS) if ph == "realign"]
+
+
+def owned(view):
+    """The view with its own copies of the tensors the realign fusion reads (so that
+    writing them in place touches nothing else)."""
+    return dataclasses.replace(view, tokens=view.tokens.clone(),
+                               positions=view.positions.clone(), valid=view.valid.clone())
+
+
+def shifted(view, slot=-2):
+    p = view.positions.clone()
+    p[0, slot] += 1
+    return dataclasses.replace(view, positions=p)
+
+
+def test_a_clean_run_waits_by_reference_and_finds_nothing():
+    mon = Monitor("fast")
+    seen = []
+    for ph, v in VIEWS:
+        mon(ph, v)
+        seen += [e for *_, e in mon._deferred]
+    assert any(isinstance(e, R.Refs) for e in seen)
+    assert all(isinstance(e, R.Refs) for e in seen), "a well-formed view waits by reference"
+    assert mon.check() == [] and mon._by_reference
+
+
+@pytest.mark.parametrize("at", [0, 1, -1])
+def test_a_fault_seen_by_reference_is_reported_at_its_step_and_phase(at):
+    bad = REALIGNS[at]
+    mon = Monitor("fast")
+    for i, (ph, v) in enumerate(VIEWS):
+        mon(ph, shifted(v) if i == bad else v)
+    with pytest.raises(InvariantViolation) as err:
+        mon.check()
+    v = err.value
+    assert (v.invariant, v.phase, v.step, v.rows) == ("I3", "realign", VIEWS[bad][1].step, [0])
+    strict = Monitor("strict", raise_on_violation=False)
+    for i, (ph, view) in enumerate(VIEWS):
+        strict(ph, shifted(view) if i == bad else view)
+    assert strict.violations[0].trace == v.trace  # the trace strict mode gives
+
+
+def test_a_view_written_in_place_after_its_hook_is_listed_unchecked_never_silently():
+    """A hook after the monitor's corrects a wrong position in place: the references no
+    longer show what the hook saw, so the view is not judged on them. It is listed in
+    ``unchecked`` (its step, phase and groups) with a warning, and later hooks copy."""
+    bad = REALIGNS[1]
+    mon = Monitor("fast", raise_on_violation=False)
+    for i, (ph, v) in enumerate(VIEWS):
+        if i != bad:
+            mon(ph, v)
+            continue
+        v = owned(shifted(v))
+        mon(ph, v)
+        v.positions.copy_(VIEWS[bad][1].positions)  # in place, after the hook
+    assert not mon._by_reference  # seen at the next hook: copies from then on
+    with pytest.warns(RuntimeWarning, match="written in place after its hook"):
+        assert mon.check() == []
+    [u] = mon.unchecked
+    assert (u["step"], u["phase"]) == (VIEWS[bad][1].step, "realign")
+    assert "I3.positions" in u["groups"]
+
+
+def test_after_an_in_place_write_the_monitor_copies_and_still_catches_a_later_fault():
+    first, later = REALIGNS[0], REALIGNS[-1]
+    mon = Monitor("fast")
+    for i, (ph, v) in enumerate(VIEWS):
+        if i == first:
+            v = owned(v)
+            mon(ph, v)
+            v.tokens.add_(0)  # a write that changes nothing still bumps the version
+            continue
+        mon(ph, shifted(v) if i == later else v)
+    assert not mon._by_reference
+    assert not any(isinstance(e, R.Refs) for *_, e in mon._deferred[-3:])
+    with pytest.warns(RuntimeWarning), pytest.raises(InvariantViolation) as err:
+        mon.check()
+    v = err.value
+    assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[later][1].step)
