@@ -1529,10 +1529,109 @@ def _per_view(refs: list, x: torch.Tensor, reduce) -> torch.Tensor:
     return torch.cat([reduce(p[None])[0].expand(p.shape[0]) for p in x.split(sizes)])
 
 
+def _side_by_side(widths: list, device):
+    """Where each column of views laid side by side (``cat`` along dim 1) comes from:
+    (view index [S], the view's first column [V], its end [V], widths [V]), long. The
+    widths are uploaded (at the read, never in a hook)."""
+    wt = torch.tensor(widths, dtype=torch.long, device=device)
+    total = sum(widths)
+    cv = torch.repeat_interleave(torch.arange(len(widths), device=device), wt,
+                                 output_size=total)
+    ends = wt.cumsum(0)
+    return cv, ends - wt, ends, wt
+
+
+def _segment_any(x: torch.Tensor, cv: torch.Tensor, v: int) -> torch.Tensor:
+    """[B, V] bool: per row, whether ``x`` [B, S] is True in any column of view ``v``."""
+    return torch.zeros(x.shape[0], v, dtype=torch.long, device=x.device) \
+        .index_add_(1, cv, x.long()) != 0
+
+
+def _realign_side_by_side(holes: bool, refs: list, device) -> torch.Tensor:
+    """[B, V]: ``realign_flags`` of views of one row count laid side by side (no op per
+    view): slots ``cat`` along dim 1, row quantities stacked [B, V], each slot reading
+    its view's through the column's view index."""
+    v, b = len(refs), refs[0].size
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], device)
+    tokens = torch.cat([r.tensors[0] for r in refs], 1)
+    positions = torch.cat([r.tensors[1] for r in refs], 1)
+    valid = torch.cat([r.tensors[2] for r in refs], 1)
+    valid = valid if valid.dtype == torch.bool else valid.bool()
+    n, pl, g = (torch.stack([r.tensors[i] for r in refs], 1) for i in (4, 5, 6))
+    t = refs[0].tensors[3].shape[1]
+    out = torch.stack([r.tensors[3] for r in refs], 1).reshape(b, v * t)
+    prow = torch.stack([r.own[0] for r in refs], 1)  # [B, V, 2 + P]
+    p = prow.shape[2] - 2
+    ptoks = prow[:, :, 2:].reshape(b, v * p)
+    found = None if refs[0].own[1] is None else torch.stack([r.own[1] for r in refs], 1)
+    n_s, pl_s = n[:, cv], pl[:, cv]
+    if holes:
+        cs = valid.cumsum(dim=1)
+        base = torch.nn.functional.pad(cs, (1, 0))[:, start]  # [B, V]: valid before the view
+        rank = cs - base[:, cv] - 1
+    else:  # the rank of a valid slot, if contiguous
+        rank = (torch.arange(cv.shape[0], device=device) - ends[cv])[None, :] + n_s
+    want = torch.where(rank < pl_s, ptoks.gather(1, cv * p + rank.clamp(0, p - 1)),
+                       out.gather(1, cv * t + (rank - pl_s).clamp(0, t - 1)))
+    tok = tokens != want
+    if holes:
+        tok = tok & (rank < n_s)
+    if found is not None:
+        tok = tok & found[:, cv]
+    if holes:
+        bad = valid & ((positions != rank) | tok)
+    else:
+        bad = (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+    plen = prow[:, :, 1]
+    seq = pl != plen if found is None else (pl != plen) & found
+    rows = [_segment_any(bad, cv, v), n < 1, n != pl + g, seq]
+    if holes:
+        last = ends - 1
+        fin = torch.stack([r.tensors[7] for r in refs], 1)
+        rows += [cs[:, last] - base != n, ~(valid[:, last] | (fin if fin.dtype == torch.bool
+                                                              else fin.bool()))]
+        return torch.stack(rows).any(dim=0)
+    return torch.stack(rows).any(dim=0) | (n.amax(dim=0) != wt)  # minimal width, per view
+
+
+def _forward_side_by_side(refs: list, q: int, consts: Constants, device) -> torch.Tensor:
+    """[B, V]: ``forward_flags`` of forwards of one row count laid side by side (no op
+    per forward): masks, validity (the drafts' columns valid) and tokens ++ drafts
+    ``cat`` along dim 1, the new columns of each picked by one index."""
+    v, b = len(refs), refs[0].size
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], device)
+    mask = torch.cat([r.tensors[5] for r in refs], 1)
+    mask = mask if mask.dtype == torch.bool else mask.bool()
+    parts, toks = [], []
+    for r in refs:
+        span, c, w = r.facts
+        valid = r.tensors[6]
+        parts += [valid if valid.dtype == torch.bool else valid.bool(),
+                  consts.ones(b, span - w, device)]
+        toks += [r.tensors[2], r.tensors[3]]
+    valid = torch.cat(parts, 1)
+    toks = torch.cat(toks, 1)
+    cs = valid.cumsum(dim=1)
+    base = torch.nn.functional.pad(cs, (1, 0))[:, start]  # [B, V]
+    j = consts.row(q, device)  # [1, q]
+    cols = ((ends - q)[:, None] + j).reshape(-1)  # [V q]: the new columns of each view
+    vq = torch.arange(v, device=device).repeat_interleave(q, output_size=v * q)
+    ids = torch.stack([r.tensors[0] for r in refs], 1)  # [B, V, q]
+    pos = torch.stack([r.tensors[1] if r.tensors[1].shape[0] == b
+                       else r.tensors[1].expand(b, q) for r in refs], 1)
+    lim = torch.stack([r.tensors[4] for r in refs], 1)  # [B, V]
+    counted = (cs[:, cols] - base[:, vq]).view(b, v, q)
+    new = (pos + 1 != counted) & (j[None] <= lim[:, :, None])
+    new = (new | (ids != toks[:, cols].view(b, v, q))) & valid[:, cols].view(b, v, q)
+    return _segment_any(mask != valid, cv, v) | new.any(dim=2)
+
+
 def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
     """Per ref, [B] bool: ``realign_flags`` of its rows, every view of one key at once
     (views of other widths padded on the left with invalid slots)."""
     holes, _, t, device, _ = key
+    if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
+        return list(_realign_side_by_side(holes, refs, device).unbind(1))
     w = max(r.facts[0] for r in refs)
     # [N, 3, W]: tokens, positions, valid (1/0; -1 on the padding: no slot of the view)
     slots = _cat([torch.nn.functional.pad(x, (w - x.shape[2], 0), value=-1)
@@ -1578,6 +1677,8 @@ def forward_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
     """Per ref, [B] bool: ``forward_flags`` of its rows, every forward of one q at once
     (masks of other widths padded on the left with columns False in mask and valid)."""
     q, device = key
+    if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
+        return list(_forward_side_by_side(refs, q, consts, device).unbind(1))
     s_max = max(r.facts[0] for r in refs)
     flags, new = [], []
     for r in refs:
