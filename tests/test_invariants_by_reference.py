@@ -7,6 +7,7 @@ copies from then on."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -99,3 +100,60 @@ def test_after_an_in_place_write_the_monitor_copies_and_still_catches_a_later_fa
         mon.check()
     v = err.value
     assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[later][1].step)
+
+
+class _Ops:
+    """Counts the aten ops dispatched inside a block."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("strategy", ["eqspec", "holes"])
+def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
+    """The cheap setting's engine (tiny Llama, batch 8, k = 4, n-gram drafter): past the
+    prefill, a typical fast hook (the median of its phase) dispatches the verify's KV
+    fingerprints and their copy (10 ops), the commit's snapshot (at most 9), nearly
+    nothing at a realign or draft (a step whose batch lost rows looks its rows up
+    again: some 50 ops at that realign); no hook reads the host, uploads or makes a
+    data-dependent shape, and the checks wait by reference."""
+    import specdec
+    from invariants.testing import watch_hook
+    from specdec import drafters, models
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, models.TINY_VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 31, (16,), generator=g)]
+    mon = Monitor("fast")
+    watched = watch_hook(mon)
+    ops = _Ops()
+    seen, waited = {}, []
+
+    def hook(phase, view):
+        ops.n = 0
+        with ops.mode():
+            watched(phase, view)
+        if phase != "prefill":
+            seen.setdefault(phase, []).append(ops.n)
+        waited.extend(e for *_, e in mon._deferred[-2:])
+
+    specdec.generate(models.tiny("llama"), prompts, drafter=drafters.NGramDrafter(), k=4,
+                     batch_size=8, max_new_tokens=32, strategy=strategy, policy="fixed",
+                     hooks=[hook])
+    assert mon.check() == []
+    assert watched.total() == {"read": 0, "upload": 0, "dynamic_shape": 0}
+    median = {phase: statistics.median(n) for phase, n in seen.items()}
+    assert median["verify"] <= 10 and median["commit"] <= 9 and median["realign"] <= 1 \
+        and median["draft"] <= 1, median
+    assert sum(map(sum, seen.values())) / sum(map(len, seen.values())) <= 8, median
+    assert waited and all(isinstance(e, R.Refs) for e in waited)
