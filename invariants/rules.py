@@ -1455,10 +1455,7 @@ class Refs:
 
     def intact(self) -> bool:
         """Every tensor is unmodified since the hook (same ``_version``)."""
-        try:
-            return all(t._version == v for t, v in zip(self.tensors, self.versions))
-        except RuntimeError:  # pragma: no cover - refer() keeps no inference tensor
-            return False
+        return tuple([t._version for t in self.tensors]) == self.versions
 
 
 def _refs(tensors: tuple, own: tuple, facts: tuple, size: int) -> Refs | None:
