@@ -8,9 +8,12 @@ Modes (``MODES``):
 - ``off``: does nothing.
 - ``fast``: the cheap invariants (I1-I4, I6) run as tensor ops on the view's device; each
   phase leaves a few ``[B]`` masks on the device, or, at a verify, commit or realign
-  view, a copy of what its fused check reads (a few stacks: later in-place writes by the
-  engine cannot change it), checked at the read with every view of its kind at once
-  (see "Cost" below). Inside a hook nothing is read back,
+  view, references to what its fused check reads (``rules.Refs``: the view's tensors and
+  their versions, no aten op), checked at the read with every view of its kind at once
+  (see "Cost" below). An engine, or a later hook, that writes a view's tensors in place
+  after the hook is seen at the next hook and the monitor copies from then on (as
+  before: a few stacks); a view whose tensors changed before the read is not judged on
+  them but listed in ``unchecked`` with a ``RuntimeWarning``. Inside a hook nothing is read back,
   uploaded or sized by data (``invariants.testing.no_host_transfers`` proves it on a CPU).
   The masks are read at ``check()`` (also ``finish()``, the end of a ``with monitor:``
   block, or the next run's prefill): the one host read of the run, which raises the first
@@ -64,14 +67,18 @@ the commit rules check what it appends and the realign phase checks the tokens.
 
 In fast mode the three phase fusions (``rules.FUSIONS``: the forward's rules at verify,
 the output rules at commit, the layout, position and sequence rules at realign) do not
-run in the hook: the hook copies what the fusion reads (``Fusion.defer``: the commit's
-snapshot, which the monitor keeps anyway, and one or two stacks) and the read
-(``check()``) checks every waiting view of one kind at once (``Fusion.batch``: the same
-expression over the rows of all of them, views of different widths padded on the left
-with invalid slots, which changes no row's flags; tested against each view alone on
-adversarial views). A view whose copy cannot be taken (another phase, shapes the fusion
-does not expect) is checked in its hook as before; once ``MAX_WAITING`` views wait, they
-are checked in the hook (device ops, no read), which bounds the copies a long run keeps.
+run in the hook: the hook keeps references to what the fusion reads (``Fusion.refer``:
+the view's tensors with their ``_version``, and the commit's snapshot, which the monitor
+keeps anyway) and the read (``check()``) checks every waiting view of one kind at once
+(``Fusion.batch_refs``: views of one row count laid side by side, one ``cat`` per field
+along the slots and an index from each column to its view, so no op runs per view;
+views of several row counts padded on the left with invalid slots, which changes no
+row's flags; both tested against each view alone on adversarial views). Once an engine
+was seen writing a view's tensors in place after its hook, the hook copies instead
+(``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
+cannot wait (another phase, shapes the fusion does not expect) is checked in its hook as
+before; once ``MAX_WAITING`` views wait, they are checked in the hook (device ops, no
+read), which bounds what a long run keeps.
 KV provenance (I5-lite, ``provenance.py``) waits the same way in fast mode: the hook
 takes the target cache's fingerprints and a copy of the positions and masks they are
 checked against (10 aten ops at a verify view instead of 21), and ``check()`` checks
@@ -79,13 +86,15 @@ every forward of the run at once (one sort of the records, one binary search per
 slot), replaying a flagged view through the hooks' table to report it.
 Strict mode reads every step, so its fusions and its provenance table run in the hooks.
 
-Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 15``, tiny Llama,
-one thread, EQSPEC and holes, on a 2-core machine shared with other sessions; the
-README's "Cost of checking" has the figures): fast mode 33-34 aten ops per step in the
-hooks plus 6 at ``check()``, the Monitor's own CPU time 20.7-21.0% of the rest of the
-run (main before this round: 47-48 ops, 21.3-22.0%); strict 117-119 ops per step, 29-30%;
-building the views (a null hook) adds 2-9% on that load. The targets of issue 12 (fast
-+10%, strict +25% over no hooks) are not met; the README says what dominates.
+Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1``,
+tiny Llama, one thread, EQSPEC and holes, on a 2-core machine shared with other
+sessions; the README's "Cost of checking" has the figures and main's beside them):
+fast mode 19-22 aten ops per step in the hooks plus 5 at ``check()`` (main before this
+round: 33-34 plus 6), the Monitor's own CPU time 18.5-20.0% of the rest of the run
+(main: 20.8-21.6% on the same load); strict unchanged, 117-119 ops per step, 29-30%;
+building the views (a null hook) adds 3-5%. The targets of issue 12 (fast +10%,
+strict +25% over no hooks) are not met: what is left is Python per hook call (about 30
+us at a draft view, 140 at a verify, see the README), not aten ops.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts

@@ -22,9 +22,10 @@ inputs are the very tensors (same ``_version``) it checked last time is not run 
 
 Groups that always run together at one phase form a ``Fusion``: one expression for all of
 their rules, written on explicit tensors (``commit_flags``, ``forward_flags``,
-``realign_flags``) and row-wise, so that fast mode can copy a view's inputs
-(``Fusion.defer``) and check the views of one kind together at the read
-(``Fusion.batch``). The expressions are written for few, cheap kernels on a CPU too:
+``realign_flags``) and row-wise, so that fast mode can keep a view's inputs by
+reference (``Fusion.refer``, ``Refs``; or copy them, ``Fusion.defer``, once an engine
+writes its views in place) and check the views of one kind together at the read
+(``Fusion.batch_refs``, ``Fusion.batch``). The expressions are written for few, cheap kernels on a CPU too:
 reductions by ``sum``, stacks of dense inputs of one dtype.
 
 ``Facts`` holds one view, the monitor's state (stop ids, output snapshot, prompts) and
@@ -1526,11 +1527,12 @@ def _per_view(refs: list, x: torch.Tensor, reduce) -> torch.Tensor:
     return torch.cat([reduce(p[None])[0].expand(p.shape[0]) for p in x.split(sizes)])
 
 
-def _side_by_side(widths: list, device):
+def _side_by_side(widths: list, consts: Constants, device):
     """Where each column of views laid side by side (``cat`` along dim 1) comes from:
-    (view index [S], the view's first column [V], its end [V], widths [V]), long. The
-    widths are uploaded (at the read, never in a hook)."""
-    wt = torch.tensor(widths, dtype=torch.long, device=device)
+    (view index [S], the view's first column [V], its end [V], widths [V]), long; no
+    upload (the widths are stacked from cached 0-dim constants: a monitor past
+    ``MAX_WAITING`` settles inside a hook)."""
+    wt = torch.stack([consts.scalar(w, device) for w in widths])
     total = sum(widths)
     cv = torch.repeat_interleave(torch.arange(len(widths), device=device), wt,
                                  output_size=total)
@@ -1544,12 +1546,12 @@ def _segment_any(x: torch.Tensor, cv: torch.Tensor, v: int) -> torch.Tensor:
         .index_add_(1, cv, x.long()) != 0
 
 
-def _realign_side_by_side(holes: bool, refs: list, device) -> torch.Tensor:
+def _realign_side_by_side(holes: bool, refs: list, consts: Constants, device) -> torch.Tensor:
     """[B, V]: ``realign_flags`` of views of one row count laid side by side (no op per
     view): slots ``cat`` along dim 1, row quantities stacked [B, V], each slot reading
     its view's through the column's view index."""
     v, b = len(refs), refs[0].size
-    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], device)
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], consts, device)
     tokens = torch.cat([r.tensors[0] for r in refs], 1)
     positions = torch.cat([r.tensors[1] for r in refs], 1)
     valid = torch.cat([r.tensors[2] for r in refs], 1)
@@ -1596,7 +1598,7 @@ def _forward_side_by_side(refs: list, q: int, consts: Constants, device) -> torc
     per forward): masks, validity (the drafts' columns valid) and tokens ++ drafts
     ``cat`` along dim 1, the new columns of each picked by one index."""
     v, b = len(refs), refs[0].size
-    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], device)
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], consts, device)
     mask = torch.cat([r.tensors[5] for r in refs], 1)
     mask = mask if mask.dtype == torch.bool else mask.bool()
     parts, toks = [], []
@@ -1628,7 +1630,7 @@ def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
     (views of other widths padded on the left with invalid slots)."""
     holes, _, t, device, _ = key
     if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
-        return list(_realign_side_by_side(holes, refs, device).unbind(1))
+        return list(_realign_side_by_side(holes, refs, consts, device).unbind(1))
     w = max(r.facts[0] for r in refs)
     # [N, 3, W]: tokens, positions, valid (1/0; -1 on the padding: no slot of the view)
     slots = _cat([torch.nn.functional.pad(x, (w - x.shape[2], 0), value=-1)

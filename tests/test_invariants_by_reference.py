@@ -157,3 +157,31 @@ def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
         and median["draft"] <= 1, median
     assert sum(map(sum, seen.values())) / sum(map(len, seen.values())) <= 8, median
     assert waited and all(isinstance(e, R.Refs) for e in waited)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mutant", [None, "cache_gather_shifted"])
+def test_a_static_shapes_run_is_checked_by_reference_as_strict_mode_checks_it(mutant):
+    """With ``static_shapes=True`` the engine writes its forward input buffers in place
+    every step, but the views record copies of them: nothing a view shows changes after
+    its hook, so fast mode keeps waiting by reference, lists nothing unchecked, and
+    reports what strict mode reports (clean, or a KV fault at the same step and phase)."""
+    import contextlib
+
+    import specdec
+    from specdec import drafters, models, mutants
+
+    target = models.tiny("llama")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3] * 9, [20, 21, 22]]
+    found = {}
+    for mode in ("strict", "fast"):
+        mon = Monitor(mode, raise_on_violation=False)
+        with mutants.apply(mutant) if mutant else contextlib.nullcontext():
+            specdec.generate(target, prompts, drafter=drafters.NGramDrafter(), k=3,
+                             batch_size=4, max_new_tokens=12, policy="fixed",
+                             stop_token_ids=[], static_shapes=True, hooks=[mon])
+        found[mode] = [(v.invariant, v.step, v.phase, v.rows) for v in mon.check()]
+        if mode == "fast":
+            assert mon._by_reference and mon.unchecked == []
+    assert found["fast"] == found["strict"]
+    assert bool(found["fast"]) == (mutant is not None)
