@@ -169,7 +169,8 @@ class _Plan:
     are present, which monitor state exists), each with how to pick what it compares out
     of the view's one signature; and, per set of groups that run, the fusions to use."""
 
-    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions")
+    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions",
+                 "fused_bits")
 
     def __init__(self, groups, skip: bool, fusions):
         names = [] if not skip else list(dict.fromkeys(
@@ -190,6 +191,8 @@ class _Plan:
             for i, g in enumerate(groups))
         self.fusions = {}  # bits of the groups that run -> the fusions covering them
         self._all_fusions = fusions
+        # the groups with a device expression (the others, I1, are host facts alone)
+        self.fused_bits = sum(bit for g, *_, bit in self.steps if g.fused is not None)
 
     def values(self, view, prev, prompts, stops) -> tuple:
         """The view's fields, then the monitor state the groups read (``rules.Facts.dep``
@@ -396,11 +399,14 @@ class Monitor(Checker):
             bits |= bit
         if not to_run:
             return None
+        fusions = plan.fusions_for(bits)
+        # (a view whose groups are host facts alone, a draft view typically, builds none)
         facts = R.Facts(view, stops=stops, prev=self._prev, prompts=self._prompts,
-                        consts=self._consts, lookups=self._lookups, device=device)
+                        consts=self._consts, lookups=self._lookups, device=device) \
+            if fusions or bits & plan.fused_bits else None
         b = view.batch_size
         masks, shared, waiting = [], {}, []
-        for fusion in plan.fusions_for(bits):
+        for fusion in fusions:
             if fusion.defer is not None and self.mode == "fast":
                 # fast mode reads at the end: keep references to what the fusion reads
                 # (or copy it: a snapshot the monitor keeps anyway, two stacks) and check
@@ -454,7 +460,8 @@ class Monitor(Checker):
             return None
         entry = Entry(masks, host_failure, {
             "view": view, "checked": checked, "prev": self._prev, "prompts": self._prompts,
-            "stops": facts.stops, "history_len": len(self._history)})
+            "stops": P.stop_ids(view, stops) if facts is None else facts.stops,
+            "history_len": len(self._history)})
         for index, fusion, key, evidence in waiting:
             self._deferred.append((entry, index, fusion, key, evidence))
             if isinstance(evidence, R.Refs):

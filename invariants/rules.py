@@ -404,7 +404,7 @@ def _i1_ok(v: StepView) -> bool:
             return False
     if v.output.dim() != 2 or v.output.shape[0] != b:
         return False
-    want = v.expected_cache_width()
+    want = w + v.k if v.phase in ("verify", "commit") else w - 1  # expected_cache_width()
     widths = v.cache_widths
     if not widths or not _all(widths, want):
         return False
@@ -1660,12 +1660,11 @@ def forward_refer(f: Facts, table=None):
     span = c + q
     w = v.tokens.shape[1]
     m, pos = fw.attention_mask, fw.positions
-    if m.dim() != 2 or tuple(m.shape) != (b, span) or v.valid.dim() != 2 \
-            or tuple(v.valid.shape) != (b, w) or span != w + v.drafts.shape[1] \
-            or tuple(fw.input_ids.shape) != (b, q) or pos.dim() != 2 \
+    ds = v.drafts.shape  # (torch.Size equals the tuple of its sizes)
+    if m.shape != (b, span) or v.valid.shape != (b, w) or len(ds) != 2 or ds[0] != b \
+            or span != w + ds[1] or fw.input_ids.shape != (b, q) or pos.dim() != 2 \
             or pos.shape[0] not in (1, b) or pos.shape[1] != q \
-            or tuple(v.draft_limit.shape) != (b,) or c < 0 or c > w \
-            or tuple(v.drafts.shape) != (b, v.drafts.shape[1]):
+            or v.draft_limit.shape != (b,) or c < 0 or c > w:
         return None
     refs = _refs((fw.input_ids, pos, v.tokens, v.drafts, v.draft_limit, m, v.valid), (),
                  (span, c, w), b)
