@@ -8,9 +8,12 @@ Modes (``MODES``):
 - ``off``: does nothing.
 - ``fast``: the cheap invariants (I1-I4, I6) run as tensor ops on the view's device; each
   phase leaves a few ``[B]`` masks on the device, or, at a verify, commit or realign
-  view, a copy of what its fused check reads (a few stacks: later in-place writes by the
-  engine cannot change it), checked at the read with every view of its kind at once
-  (see "Cost" below). Inside a hook nothing is read back,
+  view, references to what its fused check reads (``rules.Refs``: the view's tensors and
+  their versions, no aten op), checked at the read with every view of its kind at once
+  (see "Cost" below). An engine, or a later hook, that writes a view's tensors in place
+  after the hook is seen at the next hook and the monitor copies from then on (as
+  before: a few stacks); a view whose tensors changed before the read is not judged on
+  them but listed in ``unchecked`` with a ``RuntimeWarning``. Inside a hook nothing is read back,
   uploaded or sized by data (``invariants.testing.no_host_transfers`` proves it on a CPU).
   The masks are read at ``check()`` (also ``finish()``, the end of a ``with monitor:``
   block, or the next run's prefill): the one host read of the run, which raises the first
@@ -64,14 +67,18 @@ the commit rules check what it appends and the realign phase checks the tokens.
 
 In fast mode the three phase fusions (``rules.FUSIONS``: the forward's rules at verify,
 the output rules at commit, the layout, position and sequence rules at realign) do not
-run in the hook: the hook copies what the fusion reads (``Fusion.defer``: the commit's
-snapshot, which the monitor keeps anyway, and one or two stacks) and the read
-(``check()``) checks every waiting view of one kind at once (``Fusion.batch``: the same
-expression over the rows of all of them, views of different widths padded on the left
-with invalid slots, which changes no row's flags; tested against each view alone on
-adversarial views). A view whose copy cannot be taken (another phase, shapes the fusion
-does not expect) is checked in its hook as before; once ``MAX_WAITING`` views wait, they
-are checked in the hook (device ops, no read), which bounds the copies a long run keeps.
+run in the hook: the hook keeps references to what the fusion reads (``Fusion.refer``:
+the view's tensors with their ``_version``, and the commit's snapshot, which the monitor
+keeps anyway) and the read (``check()``) checks every waiting view of one kind at once
+(``Fusion.batch_refs``: views of one row count laid side by side, one ``cat`` per field
+along the slots and an index from each column to its view, so no op runs per view;
+views of several row counts padded on the left with invalid slots, which changes no
+row's flags; both tested against each view alone on adversarial views). Once an engine
+was seen writing a view's tensors in place after its hook, the hook copies instead
+(``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
+cannot wait (another phase, shapes the fusion does not expect) is checked in its hook as
+before; once ``MAX_WAITING`` views wait, they are checked in the hook (device ops, no
+read), which bounds what a long run keeps.
 KV provenance (I5-lite, ``provenance.py``) waits the same way in fast mode: the hook
 takes the target cache's fingerprints and a copy of the positions and masks they are
 checked against (10 aten ops at a verify view instead of 21), and ``check()`` checks
@@ -79,13 +86,15 @@ every forward of the run at once (one sort of the records, one binary search per
 slot), replaying a flagged view through the hooks' table to report it.
 Strict mode reads every step, so its fusions and its provenance table run in the hooks.
 
-Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 15``, tiny Llama,
-one thread, EQSPEC and holes, on a 2-core machine shared with other sessions; the
-README's "Cost of checking" has the figures): fast mode 33-34 aten ops per step in the
-hooks plus 6 at ``check()``, the Monitor's own CPU time 20.7-21.0% of the rest of the
-run (main before this round: 47-48 ops, 21.3-22.0%); strict 117-119 ops per step, 29-30%;
-building the views (a null hook) adds 2-9% on that load. The targets of issue 12 (fast
-+10%, strict +25% over no hooks) are not met; the README says what dominates.
+Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1``,
+tiny Llama, one thread, EQSPEC and holes, on a 2-core machine shared with other
+sessions, load 1.3-2.0; the README's "Cost of checking" has the figures and main's
+beside them): fast mode 19-22 aten ops per step in the hooks plus 6 at ``check()``
+(main: 33-34 plus 6), +26-31% wall over no hooks, the Monitor's own CPU time 18-20% of
+the rest of the run (main: 21%); strict unchanged, 117-119 ops per step, +38-42%,
+29-30%; building the views (a null hook) adds 4-6%. The targets of issue 12 (fast
++10%, strict +25% over no hooks) are not met: what is left is Python per hook call
+(about 30 us at a draft view, 140 at a verify), not aten ops.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
@@ -101,6 +110,7 @@ from __future__ import annotations
 
 import json
 import operator
+import warnings
 from collections import Counter
 
 import torch
@@ -159,7 +169,8 @@ class _Plan:
     are present, which monitor state exists), each with how to pick what it compares out
     of the view's one signature; and, per set of groups that run, the fusions to use."""
 
-    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions")
+    __slots__ = ("steps", "fields", "state", "state_index", "get", "fusions", "_all_fusions",
+                 "fused_bits")
 
     def __init__(self, groups, skip: bool, fusions):
         names = [] if not skip else list(dict.fromkeys(
@@ -180,6 +191,8 @@ class _Plan:
             for i, g in enumerate(groups))
         self.fusions = {}  # bits of the groups that run -> the fusions covering them
         self._all_fusions = fusions
+        # the groups with a device expression (the others, I1, are host facts alone)
+        self.fused_bits = sum(bit for g, *_, bit in self.steps if g.fused is not None)
 
     def values(self, view, prev, prompts, stops) -> tuple:
         """The view's fields, then the monitor state the groups read (``rules.Facts.dep``
@@ -266,6 +279,9 @@ class Monitor(Checker):
         self._groups = tuple(g for g in R.GROUPS if g.invariant in chosen)
         names = {g.name for g in self._groups}
         self._fusions = tuple(f for f in R.FUSIONS if all(n in names for n in f.groups))
+        #: fast mode: deferred checks keep the view's tensors by reference (``rules.Refs``)
+        #: until an engine is seen writing a view's tensors in place after its hook
+        self._by_reference = True
         self._consts = R.Constants()
         self._reset_run()
 
@@ -287,6 +303,10 @@ class Monitor(Checker):
         # key, evidence) (``_settle``); and the last view's snapshot, for ``_advance``
         self._deferred: list = []
         self._snapshot = None
+        # fast mode: the waiting checks of the last hook that kept references (``Refs``),
+        # compared at the next hook: an engine that writes its views' tensors in place
+        # after the hook makes the monitor copy from then on (``_by_reference``)
+        self._last_refs: list = []
         # I5 provenance and the draft cache's lag (invariants/provenance.py)
         self._kv = PV.KVProvenance(self.remember_rows, provenance="I5" in self.invariants,
                                    lag="I1" in self.invariants, defer=self.mode == "fast") \
@@ -310,6 +330,10 @@ class Monitor(Checker):
                 and self._pending[-1].context["view"].step != view.step:
             self.read()  # the previous step ended without a commit view
         self.calls += 1
+        if self._last_refs:  # did the engine write the last views' tensors in place?
+            if not all(r.intact() for r in self._last_refs):
+                self._by_reference = False  # copy from now on (their check flags them)
+            self._last_refs = []
         if self.coverage is not None:
             self.coverage(phase, view)
         entry = self._cheap(view)
@@ -375,17 +399,22 @@ class Monitor(Checker):
             bits |= bit
         if not to_run:
             return None
+        fusions = plan.fusions_for(bits)
+        # (a view whose groups are host facts alone, a draft view typically, builds none)
         facts = R.Facts(view, stops=stops, prev=self._prev, prompts=self._prompts,
-                        consts=self._consts, lookups=self._lookups, device=device)
+                        consts=self._consts, lookups=self._lookups, device=device) \
+            if fusions or bits & plan.fused_bits else None
         b = view.batch_size
         masks, shared, waiting = [], {}, []
-        for fusion in plan.fusions_for(bits):
+        for fusion in fusions:
             if fusion.defer is not None and self.mode == "fast":
-                # fast mode reads at the end: copy what the fusion reads (a snapshot the
-                # monitor keeps anyway, two stacks) and check every such view at once
+                # fast mode reads at the end: keep references to what the fusion reads
+                # (or copy it: a snapshot the monitor keeps anyway, two stacks) and check
+                # every such view at once
+                defer = fusion.refer if self._by_reference and fusion.refer is not None \
+                    else fusion.defer
                 try:
-                    wait = fusion.defer(facts, self._snapshot_of(view) if fusion.snapshot
-                                        else None)
+                    wait = defer(facts, self._snapshot_of(view) if fusion.snapshot else None)
                 except (RuntimeError, IndexError, ValueError, AttributeError):
                     wait = None
                 if wait is not None:
@@ -431,9 +460,12 @@ class Monitor(Checker):
             return None
         entry = Entry(masks, host_failure, {
             "view": view, "checked": checked, "prev": self._prev, "prompts": self._prompts,
-            "stops": facts.stops, "history_len": len(self._history)})
+            "stops": P.stop_ids(view, stops) if facts is None else facts.stops,
+            "history_len": len(self._history)})
         for index, fusion, key, evidence in waiting:
             self._deferred.append((entry, index, fusion, key, evidence))
+            if isinstance(evidence, R.Refs):
+                self._last_refs.append(evidence)
         return entry
 
     def _snapshot_of(self, view: StepView) -> torch.Tensor:
@@ -448,11 +480,19 @@ class Monitor(Checker):
         view by view; a view whose own check raises runs its groups one by one, on the
         view as it is now (the errors then say why, as at the hook)."""
         items, self._deferred = self._deferred, []
+        self._last_refs = []
         by_key: dict = {}
         for entry, index, fusion, key, evidence in items:
-            by_key.setdefault((fusion, key), []).append((entry, index, evidence))
-        for (fusion, key), members in by_key.items():
+            refs = isinstance(evidence, R.Refs)
+            if refs and not evidence.intact():
+                self._unreferenced(entry, index, fusion, evidence)
+                continue
+            by_key.setdefault((fusion, key, refs), []).append((entry, index, evidence))
+        for (fusion, key, refs), members in by_key.items():
             stops = members[0][0].context["stops"]
+            if refs:
+                self._settle_refs(fusion, key, members, stops)
+                continue
             try:
                 flags = fusion.batch(key, [e for _, _, e in members], self._consts, stops)
                 parts = flags.split([e.size for _, _, e in members]) \
@@ -466,6 +506,41 @@ class Monitor(Checker):
                     except (RuntimeError, IndexError, ValueError, AttributeError):
                         m = self._one_by_one(entry, index, fusion)
                 entry.masks[index] = m
+
+    def _unreferenced(self, entry: Entry, index: int, fusion, evidence) -> None:
+        """A view whose tensors were written in place after its hook (by the engine or
+        a later hook): its references show what the hook did not see, so its deferred
+        groups are not judged on them. Listed in ``unchecked`` with a warning (never
+        silently), and the monitor copies in every later hook (``_by_reference``)."""
+        view = entry.context["view"]
+        entry.masks[index] = self._consts.zeros(evidence.size, view.device)
+        self._by_reference = False
+        changed = [i for i, (t, v) in enumerate(zip(evidence.tensors, evidence.versions))
+                   if t._version != v]
+        reason = (f"step {view.step} {view.phase}: the view's tensors were written in place "
+                  f"after its hook (fast mode checks them by reference at the read; "
+                  f"tensors {changed} of the check's inputs changed), so the groups "
+                  f"{list(fusion.groups)} were not checked on this view; later views are "
+                  f"copied in the hook")
+        self.unchecked.append({"run": self.runs, "invariant": ", ".join(dict.fromkeys(
+            R.GROUPS_BY_NAME[g].invariant for g in fusion.groups)), "step": view.step,
+            "phase": view.phase, "groups": list(fusion.groups), "reason": reason})
+        warnings.warn(f"invariants.Monitor(fast): {reason}", RuntimeWarning, stacklevel=3)
+
+    def _settle_refs(self, fusion, key, members: list, stops) -> None:
+        """``_settle`` for checks that waited by reference (``rules.Refs``, every one
+        intact): all at once, else one by one, else the groups one by one."""
+        try:
+            parts = fusion.batch_refs(key, [e for _, _, e in members], self._consts, stops)
+        except (RuntimeError, IndexError, ValueError, AttributeError):
+            parts = [None] * len(members)
+        for (entry, index, evidence), m in zip(members, parts):
+            if m is None:
+                try:
+                    m = fusion.batch_refs(key, [evidence], self._consts, stops)[0]
+                except (RuntimeError, IndexError, ValueError, AttributeError):
+                    m = self._one_by_one(entry, index, fusion)
+            entry.masks[index] = m
 
     def _one_by_one(self, entry: Entry, index: int, fusion) -> torch.Tensor:
         """The groups of a fusion that could not be checked at once, one by one on the

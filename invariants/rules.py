@@ -22,9 +22,10 @@ inputs are the very tensors (same ``_version``) it checked last time is not run 
 
 Groups that always run together at one phase form a ``Fusion``: one expression for all of
 their rules, written on explicit tensors (``commit_flags``, ``forward_flags``,
-``realign_flags``) and row-wise, so that fast mode can copy a view's inputs
-(``Fusion.defer``) and check the views of one kind together at the read
-(``Fusion.batch``). The expressions are written for few, cheap kernels on a CPU too:
+``realign_flags``) and row-wise, so that fast mode can keep a view's inputs by
+reference (``Fusion.refer``, ``Refs``; or copy them, ``Fusion.defer``, once an engine
+writes its views in place) and check the views of one kind together at the read
+(``Fusion.batch_refs``, ``Fusion.batch``). The expressions are written for few, cheap kernels on a CPU too:
 reductions by ``sum``, stacks of dense inputs of one dtype.
 
 ``Facts`` holds one view, the monitor's state (stop ids, output snapshot, prompts) and
@@ -403,7 +404,7 @@ def _i1_ok(v: StepView) -> bool:
             return False
     if v.output.dim() != 2 or v.output.shape[0] != b:
         return False
-    want = v.expected_cache_width()
+    want = w + v.k if v.phase in ("verify", "commit") else w - 1  # expected_cache_width()
     widths = v.cache_widths
     if not widths or not _all(widths, want):
         return False
@@ -976,6 +977,10 @@ class Fusion:
     # ``defer`` reads the view's snapshot table (else it is given None: a monitor builds
     # the table only for the views whose check needs it)
     snapshot: bool = False
+    # fast mode by reference (``Refs``): (facts, snapshot table) -> (key, Refs) or None,
+    # and ``batch_refs(key, [Refs], consts, stops)`` -> per Refs its [B] bool flags
+    refer: Callable | None = None
+    batch_refs: Callable | None = None
 
 
 #: a coefficient that switches a constraint off (any count in a view is far below it)
@@ -1136,12 +1141,9 @@ class CommitEvidence:
         return self.table.shape[0]
 
 
-def commit_evidence(f: Facts, table: torch.Tensor):
-    """(key, CommitEvidence) of a commit view whose check can wait (``commit_batch``
-    checks the evidence of every commit of one key at once), or None when the commit
-    fusion must run now: it does not apply, or the view's extra row fields are not [B]
-    long (only well-formed views wait; the others run one by one at once, as before).
-    ``table``: the view's ``Snapshot.of`` table."""
+def _commit_wait(f: Facts, table: torch.Tensor):
+    """(key, the five [B] long row fields, previous rows, found) of a commit view whose
+    check can wait, or None (see ``commit_evidence``)."""
     if not _commit_ready(f):
         return None
     v = f.view
@@ -1153,6 +1155,20 @@ def commit_evidence(f: Facts, table: torch.Tensor):
     rows, found = f._rows_of(f.prev)
     key = (v.k, v.output.shape[1], f.stops if not isinstance(f.stops, torch.Tensor)
            else id(f.stops), f.device, found is None)
+    return key, fields, rows, found
+
+
+def commit_evidence(f: Facts, table: torch.Tensor):
+    """(key, CommitEvidence) of a commit view whose check can wait (``commit_batch``
+    checks the evidence of every commit of one key at once), or None when the commit
+    fusion must run now: it does not apply, or the view's extra row fields are not [B]
+    long (only well-formed views wait; the others run one by one at once, as before).
+    ``table``: the view's ``Snapshot.of`` table."""
+    wait = _commit_wait(f, table)
+    if wait is None:
+        return None
+    key, fields, rows, found = wait
+    v = f.view
     return key, CommitEvidence(table, torch.stack(fields), torch.cat([v.predictions, v.drafts], 1),
                                rows, found)
 
@@ -1267,20 +1283,30 @@ class RealignEvidence:
         return self.slots.shape[0]
 
 
-def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
-    """(key, RealignEvidence) of a realign view of ``profile`` whose check can wait
-    (``realign_batch``), or None when its fusion must run now (another phase or profile,
-    a shape it does not expect)."""
+def _realign_wait(f: Facts, profile: str):
+    """(holes, the remembered prompt rows, found) of a realign view of ``profile`` whose
+    check can wait, or None (see ``realign_evidence``)."""
     v = f.view
     if v.phase != "realign" or v.profile != profile or not _realign_ready(f):
         return None
-    b, w, row = f.B, v.width, (f.B,)
+    b, row = f.B, (f.B,)
     if v.valid.shape != v.tokens.shape or v.positions.shape != v.tokens.shape \
             or v.output.dim() != 2 or v.output.shape[0] != b \
             or any(x.shape != row for x in (v.lengths, v.prompt_lengths, v.generated, v.finished)):
         return None
-    holes = v.profile == "holes"
     prompts, found = f._rows_of(f.prompts)
+    return v.profile == "holes", prompts, found
+
+
+def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
+    """(key, RealignEvidence) of a realign view of ``profile`` whose check can wait
+    (``realign_batch``), or None when its fusion must run now (another phase or profile,
+    a shape it does not expect)."""
+    wait = _realign_wait(f, profile)
+    if wait is None:
+        return None
+    v, b, w = f.view, f.B, f.view.width
+    holes, prompts, found = wait
     # the extra column is nonzero where the flag holds: holes, finished; contiguous,
     # max(lengths) - W (the minimal-width rule), already long
     extra = P._long(f.finished) if holes else (v.lengths.max() - w).expand(b)
@@ -1406,14 +1432,286 @@ def forward_batch(key, evidence: list, consts: Constants, stops=None) -> torch.T
                          ints[:, 2 * q : 3 * q], ints[:, 3 * q], consts=consts, device=device)
 
 
+# -- fast mode by reference: the hook keeps the view's tensors, the read copies them -------
+# An engine that never writes a view's tensors in place after its hook (this project's:
+# ``_version`` unchanged, tested) lets the check wait with references instead of copies:
+# ``refer`` keeps the tensors a fusion reads and their versions (no aten op), and
+# ``batch_refs`` builds the fused expression's inputs at the read for every waiting view
+# at once, one ``cat`` per field over the views of one width (views of other widths
+# padded on the left, as ``*_batch`` does). A view whose tensors changed since the hook
+# (``Refs.intact``) cannot be checked from them: the Monitor flags it (its report says
+# the tensors were modified in place) and copies in later hooks (``defer``).
+
+@dataclass(frozen=True)
+class Refs:
+    """What a deferred fusion reads of one view, by reference: the view's ``tensors``
+    with their ``versions`` at the hook, the monitor's own tensors ``own`` (copies it
+    made, never written in place), and host facts ``facts`` (widths)."""
+
+    tensors: tuple
+    versions: tuple
+    own: tuple
+    facts: tuple
+    size: int
+
+    def intact(self) -> bool:
+        """Every tensor is unmodified since the hook (same ``_version``)."""
+        return tuple([t._version for t in self.tensors]) == self.versions
+
+
+def _refs(tensors: tuple, own: tuple, facts: tuple, size: int) -> Refs | None:
+    try:  # an inference-mode tensor has no version counter: it waits as a copy
+        return Refs(tensors, tuple([t._version for t in tensors]), own, facts, size)
+    except RuntimeError:
+        return None
+
+
+def _cat(ts: list) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _split_back(flags: torch.Tensor, ordered: list, where: list) -> list:
+    """Per original ref, its [B] slice of ``flags`` (rows in ``ordered``'s order)."""
+    parts = flags.split([r.size for r in ordered]) if len(ordered) > 1 else (flags,)
+    return [parts[w] for w in where]
+
+
+def commit_refer(f: Facts, table: torch.Tensor):
+    """``commit_evidence`` by reference: (key, Refs) or None."""
+    wait = _commit_wait(f, table)
+    if wait is None:
+        return None
+    key, fields, rows, found = wait
+    v = f.view
+    refs = _refs(fields + (v.predictions, v.drafts), (table, rows, found), (), f.B)
+    return None if refs is None else (key, refs)
+
+
+def commit_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``commit_flags`` of its rows, every commit of one key in one
+    evaluation (one ``cat`` per field)."""
+    k, t, ids, device, _ = key
+    if stops is None:
+        stops = ids
+    col = [_cat([r.tensors[i] for r in refs]) for i in range(7)]
+    table = _cat([r.own[0] for r in refs])
+    rows = _cat([r.own[1] for r in refs])
+    found = None if refs[0].own[2] is None else _cat([r.own[2] for r in refs])
+    m, gb, a, lim, budgets, preds, drafts = col
+    flags = commit_flags(table[:, 3:], table[:, 1], table[:, 2] != 0, m, gb, a, lim, budgets,
+                         preds, drafts, rows, found, k=k, stops=stops, consts=consts,
+                         device=device)
+    return _split_back(flags, refs, list(range(len(refs))))
+
+
+def realign_refer(f: Facts, table=None, *, profile: str = "contiguous"):
+    """``realign_evidence`` by reference: (key, Refs) or None."""
+    wait = _realign_wait(f, profile)
+    if wait is None:
+        return None
+    v, b = f.view, f.B
+    holes, prompts, found = wait
+    key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
+    refs = _refs((v.tokens, v.positions, v.valid, v.output, v.lengths, v.prompt_lengths,
+                  v.generated, v.finished), (prompts, found), (v.width,), b)
+    return None if refs is None else (key, refs)
+
+
+def _per_view(refs: list, x: torch.Tensor, reduce) -> torch.Tensor:
+    """[N]: ``reduce`` of ``x`` [N] over each view's rows, repeated on its rows (one
+    reshape when every view has the same row count)."""
+    sizes = [r.size for r in refs]
+    if sizes.count(sizes[0]) == len(sizes):
+        v, b = len(sizes), sizes[0]
+        return reduce(x.view(v, b))[:, None].expand(v, b).reshape(-1)
+    return torch.cat([reduce(p[None])[0].expand(p.shape[0]) for p in x.split(sizes)])
+
+
+def _side_by_side(widths: list, consts: Constants, device):
+    """Where each column of views laid side by side (``cat`` along dim 1) comes from:
+    (view index [S], the view's first column [V], its end [V], widths [V]), long; no
+    upload (the widths are stacked from cached 0-dim constants: a monitor past
+    ``MAX_WAITING`` settles inside a hook)."""
+    wt = torch.stack([consts.scalar(w, device) for w in widths])
+    total = sum(widths)
+    cv = torch.repeat_interleave(torch.arange(len(widths), device=device), wt,
+                                 output_size=total)
+    ends = wt.cumsum(0)
+    return cv, ends - wt, ends, wt
+
+
+def _segment_any(x: torch.Tensor, cv: torch.Tensor, v: int) -> torch.Tensor:
+    """[B, V] bool: per row, whether ``x`` [B, S] is True in any column of view ``v``."""
+    return torch.zeros(x.shape[0], v, dtype=torch.long, device=x.device) \
+        .index_add_(1, cv, x.long()) != 0
+
+
+def _realign_side_by_side(holes: bool, refs: list, consts: Constants, device) -> torch.Tensor:
+    """[B, V]: ``realign_flags`` of views of one row count laid side by side (no op per
+    view): slots ``cat`` along dim 1, row quantities stacked [B, V], each slot reading
+    its view's through the column's view index."""
+    v, b = len(refs), refs[0].size
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], consts, device)
+    tokens = torch.cat([r.tensors[0] for r in refs], 1)
+    positions = torch.cat([r.tensors[1] for r in refs], 1)
+    valid = torch.cat([r.tensors[2] for r in refs], 1)
+    valid = valid if valid.dtype == torch.bool else valid.bool()
+    n, pl, g = (torch.stack([r.tensors[i] for r in refs], 1) for i in (4, 5, 6))
+    t = refs[0].tensors[3].shape[1]
+    out = torch.stack([r.tensors[3] for r in refs], 1).reshape(b, v * t)
+    prow = torch.stack([r.own[0] for r in refs], 1)  # [B, V, 2 + P]
+    p = prow.shape[2] - 2
+    ptoks = prow[:, :, 2:].reshape(b, v * p)
+    found = None if refs[0].own[1] is None else torch.stack([r.own[1] for r in refs], 1)
+    n_s, pl_s = n[:, cv], pl[:, cv]
+    if holes:
+        cs = valid.cumsum(dim=1)
+        base = torch.nn.functional.pad(cs, (1, 0))[:, start]  # [B, V]: valid before the view
+        rank = cs - base[:, cv] - 1
+    else:  # the rank of a valid slot, if contiguous
+        rank = (torch.arange(cv.shape[0], device=device) - ends[cv])[None, :] + n_s
+    want = torch.where(rank < pl_s, ptoks.gather(1, cv * p + rank.clamp(0, p - 1)),
+                       out.gather(1, cv * t + (rank - pl_s).clamp(0, t - 1)))
+    tok = tokens != want
+    if holes:
+        tok = tok & (rank < n_s)
+    if found is not None:
+        tok = tok & found[:, cv]
+    if holes:
+        bad = valid & ((positions != rank) | tok)
+    else:
+        bad = (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+    plen = prow[:, :, 1]
+    seq = pl != plen if found is None else (pl != plen) & found
+    rows = [_segment_any(bad, cv, v), n < 1, n != pl + g, seq]
+    if holes:
+        last = ends - 1
+        fin = torch.stack([r.tensors[7] for r in refs], 1)
+        rows += [cs[:, last] - base != n, ~(valid[:, last] | (fin if fin.dtype == torch.bool
+                                                              else fin.bool()))]
+        return torch.stack(rows).any(dim=0)
+    return torch.stack(rows).any(dim=0) | (n.amax(dim=0) != wt)  # minimal width, per view
+
+
+def _forward_side_by_side(refs: list, q: int, consts: Constants, device) -> torch.Tensor:
+    """[B, V]: ``forward_flags`` of forwards of one row count laid side by side (no op
+    per forward): masks, validity (the drafts' columns valid) and tokens ++ drafts
+    ``cat`` along dim 1, the new columns of each picked by one index."""
+    v, b = len(refs), refs[0].size
+    cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], consts, device)
+    mask = torch.cat([r.tensors[5] for r in refs], 1)
+    mask = mask if mask.dtype == torch.bool else mask.bool()
+    parts, toks = [], []
+    for r in refs:
+        span, c, w = r.facts
+        valid = r.tensors[6]
+        parts += [valid if valid.dtype == torch.bool else valid.bool(),
+                  consts.ones(b, span - w, device)]
+        toks += [r.tensors[2], r.tensors[3]]
+    valid = torch.cat(parts, 1)
+    toks = torch.cat(toks, 1)
+    cs = valid.cumsum(dim=1)
+    base = torch.nn.functional.pad(cs, (1, 0))[:, start]  # [B, V]
+    j = consts.row(q, device)  # [1, q]
+    cols = ((ends - q)[:, None] + j).reshape(-1)  # [V q]: the new columns of each view
+    vq = torch.arange(v, device=device).repeat_interleave(q, output_size=v * q)
+    ids = torch.stack([r.tensors[0] for r in refs], 1)  # [B, V, q]
+    pos = torch.stack([r.tensors[1] if r.tensors[1].shape[0] == b
+                       else r.tensors[1].expand(b, q) for r in refs], 1)
+    lim = torch.stack([r.tensors[4] for r in refs], 1)  # [B, V]
+    counted = (cs[:, cols] - base[:, vq]).view(b, v, q)
+    new = (pos + 1 != counted) & (j[None] <= lim[:, :, None])
+    new = (new | (ids != toks[:, cols].view(b, v, q))) & valid[:, cols].view(b, v, q)
+    return _segment_any(mask != valid, cv, v) | new.any(dim=2)
+
+
+def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``realign_flags`` of its rows, every view of one key at once
+    (views of other widths padded on the left with invalid slots)."""
+    holes, _, t, device, _ = key
+    if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
+        return list(_realign_side_by_side(holes, refs, consts, device).unbind(1))
+    w = max(r.facts[0] for r in refs)
+    # [N, 3, W]: tokens, positions, valid (1/0; -1 on the padding: no slot of the view)
+    slots = _cat([torch.nn.functional.pad(x, (w - x.shape[2], 0), value=-1)
+                  if x.shape[2] != w else x
+                  for x in (torch.stack([r.tensors[0], r.tensors[1], r.tensors[2].long()], 1)
+                            for r in refs)])
+    out = _cat([r.tensors[3] for r in refs])
+    n, pl, g = (_cat([r.tensors[i] for r in refs]) for i in (4, 5, 6))
+    if holes:
+        extra = _cat([r.tensors[7] for r in refs]).bool()
+    else:  # the minimal-width rule: max(lengths) = W, per view (W: its real slots)
+        width = (slots[:, 2] >= 0).sum(dim=1)
+        extra = _per_view(refs, n, lambda x: x.amax(dim=1)) != width
+    prompts = _cat([r.own[0] for r in refs])
+    found = None if refs[0].own[1] is None else _cat([r.own[1] for r in refs])
+    flags = realign_flags(holes, slots[:, 0], slots[:, 2] == 1, slots[:, 1], n, pl, g, out,
+                          prompts, found, extra, consts=consts, device=device)
+    return _split_back(flags, refs, list(range(len(refs))))
+
+
+def forward_refer(f: Facts, table=None):
+    """``forward_evidence`` by reference: (key, Refs) or None."""
+    v, fw = f.view, f.view.forward
+    if fw is None or v.phase != "verify" or v.draft_limit is None or v.drafts is None:
+        return None
+    b, c, q = f.B, fw.cache_width, fw.input_ids.shape[-1]
+    span = c + q
+    w = v.tokens.shape[1]
+    m, pos = fw.attention_mask, fw.positions
+    ds = v.drafts.shape  # (torch.Size equals the tuple of its sizes)
+    if m.shape != (b, span) or v.valid.shape != (b, w) or len(ds) != 2 or ds[0] != b \
+            or span != w + ds[1] or fw.input_ids.shape != (b, q) or pos.dim() != 2 \
+            or pos.shape[0] not in (1, b) or pos.shape[1] != q \
+            or v.draft_limit.shape != (b,) or c < 0 or c > w:
+        return None
+    refs = _refs((fw.input_ids, pos, v.tokens, v.drafts, v.draft_limit, m, v.valid), (),
+                 (span, c, w), b)
+    return None if refs is None else ((q, f.device), refs)
+
+
+def forward_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``forward_flags`` of its rows, every forward of one q at once
+    (masks of other widths padded on the left with columns False in mask and valid)."""
+    q, device = key
+    if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
+        return list(_forward_side_by_side(refs, q, consts, device).unbind(1))
+    s_max = max(r.facts[0] for r in refs)
+    flags, new = [], []
+    for r in refs:
+        span, c, w = r.facts
+        mask, valid = r.tensors[5], r.tensors[6]
+        part = torch.stack([mask if mask.dtype == torch.bool else mask.bool(), torch.cat(
+            [valid if valid.dtype == torch.bool else valid.bool(),
+             consts.ones(r.size, span - w, device)], 1)], 1)
+        flags.append(part if span == s_max
+                     else torch.nn.functional.pad(part, (s_max - span, 0)))
+        new.append(r.tensors[2][:, c:])
+    flags = _cat(flags)
+    ids = _cat([r.tensors[0] for r in refs])
+    pos = _cat([r.tensors[1] if r.tensors[1].shape[0] == r.size
+                else r.tensors[1].expand(r.size, q) for r in refs])
+    toks = torch.cat([_cat(new), _cat([r.tensors[3] for r in refs])], 1) \
+        if all(r.tensors[2].shape[1] - r.facts[1] == new[0].shape[1] for r in refs) \
+        else _cat([torch.cat([x, r.tensors[3]], 1) for x, r in zip(new, refs)])
+    lim = _cat([r.tensors[4] for r in refs])
+    got = forward_flags(flags[:, 0], flags[:, 1], ids, pos, toks, lim, consts=consts,
+                        device=device)
+    return _split_back(got, refs, list(range(len(refs))))
+
 FUSIONS = (
-    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch),
+    Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch,
+           refer=forward_refer, batch_refs=forward_batch_refs),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
-           commit_batch, snapshot=True),
+           commit_batch, snapshot=True, refer=commit_refer, batch_refs=commit_batch_refs),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
-           realign_evidence, realign_batch),
+           realign_evidence, realign_batch, refer=realign_refer,
+           batch_refs=realign_batch_refs),
     Fusion(("I2.holes", "I2.holes_pending", "I3.positions", "I6.sequence"), _fused_holes_realign,
-           functools.partial(realign_evidence, profile="holes"), realign_batch),
+           functools.partial(realign_evidence, profile="holes"), realign_batch,
+           refer=functools.partial(realign_refer, profile="holes"),
+           batch_refs=realign_batch_refs),
 )
 
 # ---------------------------------------------------------------------------------------

@@ -404,9 +404,11 @@ def test_fast_mode_falls_back_to_the_groups_when_a_waiting_check_raises():
     def broken(*args, **kwargs):
         raise RuntimeError("a batch that cannot be checked")
 
-    saved = [(fusion, fusion.batch) for fusion in R.FUSIONS if fusion.batch is not None]
-    for fusion, _ in saved:  # (frozen records: set by hand, restored below)
-        object.__setattr__(fusion, "batch", broken)
+    # (both ways of waiting: by reference, and by copy)
+    saved = [(fusion, name, getattr(fusion, name)) for fusion in R.FUSIONS
+             for name in ("batch", "batch_refs") if getattr(fusion, name) is not None]
+    for fusion, name, _ in saved:  # (frozen records: set by hand, restored below)
+        object.__setattr__(fusion, name, broken)
     try:
         target, _ = tiny_pair("llama")
         from specdec.forensics.known_bad import generate_known_bad
@@ -417,5 +419,5 @@ def test_fast_mode_falls_back_to_the_groups_when_a_waiting_check_raises():
             hooks=hooks))
         assert found
     finally:
-        for fusion, batch in saved:
-            object.__setattr__(fusion, "batch", batch)
+        for fusion, name, batch in saved:
+            object.__setattr__(fusion, name, batch)

@@ -192,7 +192,9 @@ WAITING = [x for x in VIEWS if x[0].phase in ("verify", "commit", "realign")]
 def test_views_checked_together_flag_what_each_flags_alone(data):
     """A fusion's ``batch`` over the evidence of several views (adversarial values, views
     of different widths padded together) flags, row by row, what the fusion flags on each
-    view alone; a view whose evidence is taken is not changed by it."""
+    view alone; so does ``batch_refs`` over the same views kept by reference (``refer``
+    accepts every view ``defer`` accepts, with the same key); a view whose evidence is
+    taken is not changed by it."""
     chosen = data.draw(st.lists(st.sampled_from(WAITING), min_size=1, max_size=5), label="views")
     by_key, alone = {}, {}
     for j, (view, prev, prompts) in enumerate(chosen):
@@ -215,8 +217,15 @@ def test_views_checked_together_flag_what_each_flags_alone(data):
             assert want is not None, (fusion.groups, view.phase)
             by_key.setdefault((fusion, key), []).append(((j, fusion), evidence))
             alone[j, fusion] = want.tolist()
-    for (fusion, key), members in by_key.items():
-        flags = fusion.batch(key, [e for _, e in members], R.Constants(), None)
-        parts = flags.split([e.size for _, e in members])
+            wait = fusion.refer(facts, P.Snapshot.of(view).table)
+            assert wait is not None and wait[0] == key, (fusion.groups, view.phase)
+            by_key.setdefault((fusion, key, "refs"), []).append(((j, fusion), wait[1]))
+    for (fusion, key, *refs), members in by_key.items():
+        if refs:  # by reference: the views' own tensors, batched at the read
+            assert all(e.intact() for _, e in members)
+            parts = fusion.batch_refs(key, [e for _, e in members], R.Constants(), None)
+        else:
+            flags = fusion.batch(key, [e for _, e in members], R.Constants(), None)
+            parts = flags.split([e.size for _, e in members])
         for (at, _), got in zip(members, parts):
-            assert got.tolist() == alone[at], (fusion.groups, key, at)
+            assert got.tolist() == alone[at], (fusion.groups, key, at, bool(refs))

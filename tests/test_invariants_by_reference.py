@@ -1,0 +1,187 @@
+"""Fast mode keeps what a deferred check reads by reference (``rules.Refs``), as a
+specification: an engine that never writes its views' tensors in place after the hook
+is checked from the views themselves at the read, with the reports of before; one that
+does is still reported (never checked silently from changed tensors), and the monitor
+copies from then on."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+import torch
+
+from invariants import InvariantViolation, Monitor
+from invariants import rules as R
+from toy_engine import toy_views
+
+torch.set_num_threads(1)
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [9], [5, 6, 7, 8, 9]]
+VIEWS = list(toy_views(PROMPTS, k=3, budget=8, seed=0))
+REALIGNS = [i for i, (ph, _) in enumerate(VIEWS) if ph == "realign"]
+
+
+def owned(view):
+    """The view with its own copies of the tensors the realign fusion reads (so that
+    writing them in place touches nothing else)."""
+    return dataclasses.replace(view, tokens=view.tokens.clone(),
+                               positions=view.positions.clone(), valid=view.valid.clone())
+
+
+def shifted(view, slot=-2):
+    p = view.positions.clone()
+    p[0, slot] += 1
+    return dataclasses.replace(view, positions=p)
+
+
+def test_a_clean_run_waits_by_reference_and_finds_nothing():
+    mon = Monitor("fast")
+    seen = []
+    for ph, v in VIEWS:
+        mon(ph, v)
+        seen += [e for *_, e in mon._deferred]
+    assert any(isinstance(e, R.Refs) for e in seen)
+    assert all(isinstance(e, R.Refs) for e in seen), "a well-formed view waits by reference"
+    assert mon.check() == [] and mon._by_reference
+
+
+@pytest.mark.parametrize("at", [0, 1, -1])
+def test_a_fault_seen_by_reference_is_reported_at_its_step_and_phase(at):
+    bad = REALIGNS[at]
+    mon = Monitor("fast")
+    for i, (ph, v) in enumerate(VIEWS):
+        mon(ph, shifted(v) if i == bad else v)
+    with pytest.raises(InvariantViolation) as err:
+        mon.check()
+    v = err.value
+    assert (v.invariant, v.phase, v.step, v.rows) == ("I3", "realign", VIEWS[bad][1].step, [0])
+    strict = Monitor("strict", raise_on_violation=False)
+    for i, (ph, view) in enumerate(VIEWS):
+        strict(ph, shifted(view) if i == bad else view)
+    assert strict.violations[0].trace == v.trace  # the trace strict mode gives
+
+
+def test_a_view_written_in_place_after_its_hook_is_listed_unchecked_never_silently():
+    """A hook after the monitor's corrects a wrong position in place: the references no
+    longer show what the hook saw, so the view is not judged on them. It is listed in
+    ``unchecked`` (its step, phase and groups) with a warning, and later hooks copy."""
+    bad = REALIGNS[1]
+    mon = Monitor("fast", raise_on_violation=False)
+    for i, (ph, v) in enumerate(VIEWS):
+        if i != bad:
+            mon(ph, v)
+            continue
+        v = owned(shifted(v))
+        mon(ph, v)
+        v.positions.copy_(VIEWS[bad][1].positions)  # in place, after the hook
+    assert not mon._by_reference  # seen at the next hook: copies from then on
+    with pytest.warns(RuntimeWarning, match="written in place after its hook"):
+        assert mon.check() == []
+    [u] = mon.unchecked
+    assert (u["step"], u["phase"]) == (VIEWS[bad][1].step, "realign")
+    assert "I3.positions" in u["groups"]
+
+
+def test_after_an_in_place_write_the_monitor_copies_and_still_catches_a_later_fault():
+    first, later = REALIGNS[0], REALIGNS[-1]
+    mon = Monitor("fast")
+    for i, (ph, v) in enumerate(VIEWS):
+        if i == first:
+            v = owned(v)
+            mon(ph, v)
+            v.tokens.add_(0)  # a write that changes nothing still bumps the version
+            continue
+        mon(ph, shifted(v) if i == later else v)
+    assert not mon._by_reference
+    assert not any(isinstance(e, R.Refs) for *_, e in mon._deferred[-3:])
+    with pytest.warns(RuntimeWarning), pytest.raises(InvariantViolation) as err:
+        mon.check()
+    v = err.value
+    assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[later][1].step)
+
+
+class _Ops:
+    """Counts the aten ops dispatched inside a block."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("strategy", ["eqspec", "holes"])
+def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
+    """The cheap setting's engine (tiny Llama, batch 8, k = 4, n-gram drafter): past the
+    prefill, a typical fast hook (the median of its phase) dispatches the verify's KV
+    fingerprints and their copy (10 ops), the commit's snapshot (at most 9), nearly
+    nothing at a realign or draft (a step whose batch lost rows looks its rows up
+    again: some 50 ops at that realign); no hook reads the host, uploads or makes a
+    data-dependent shape, and the checks wait by reference."""
+    import specdec
+    from invariants.testing import watch_hook
+    from specdec import drafters, models
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, models.TINY_VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 31, (16,), generator=g)]
+    mon = Monitor("fast")
+    watched = watch_hook(mon)
+    ops = _Ops()
+    seen, waited = {}, []
+
+    def hook(phase, view):
+        ops.n = 0
+        with ops.mode():
+            watched(phase, view)
+        if phase != "prefill":
+            seen.setdefault(phase, []).append(ops.n)
+        waited.extend(e for *_, e in mon._deferred[-2:])
+
+    specdec.generate(models.tiny("llama"), prompts, drafter=drafters.NGramDrafter(), k=4,
+                     batch_size=8, max_new_tokens=32, strategy=strategy, policy="fixed",
+                     hooks=[hook])
+    assert mon.check() == []
+    assert watched.total() == {"read": 0, "upload": 0, "dynamic_shape": 0}
+    median = {phase: statistics.median(n) for phase, n in seen.items()}
+    assert median["verify"] <= 10 and median["commit"] <= 9 and median["realign"] <= 1 \
+        and median["draft"] <= 1, median
+    assert sum(map(sum, seen.values())) / sum(map(len, seen.values())) <= 8, median
+    assert waited and all(isinstance(e, R.Refs) for e in waited)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mutant", [None, "cache_gather_shifted"])
+def test_a_static_shapes_run_is_checked_by_reference_as_strict_mode_checks_it(mutant):
+    """With ``static_shapes=True`` the engine writes its forward input buffers in place
+    every step, but the views record copies of them: nothing a view shows changes after
+    its hook, so fast mode keeps waiting by reference, lists nothing unchecked, and
+    reports what strict mode reports (clean, or a KV fault at the same step and phase)."""
+    import contextlib
+
+    import specdec
+    from specdec import drafters, models, mutants
+
+    target = models.tiny("llama")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [3] * 9, [20, 21, 22]]
+    found = {}
+    for mode in ("strict", "fast"):
+        mon = Monitor(mode, raise_on_violation=False)
+        with mutants.apply(mutant) if mutant else contextlib.nullcontext():
+            specdec.generate(target, prompts, drafter=drafters.NGramDrafter(), k=3,
+                             batch_size=4, max_new_tokens=12, policy="fixed",
+                             stop_token_ids=[], static_shapes=True, hooks=[mon])
+        found[mode] = [(v.invariant, v.step, v.phase, v.rows) for v in mon.check()]
+        if mode == "fast":
+            assert mon._by_reference and mon.unchecked == []
+    assert found["fast"] == found["strict"]
+    assert bool(found["fast"]) == (mutant is not None)
