@@ -10,10 +10,12 @@ Modes (``MODES``):
   phase leaves a few ``[B]`` masks on the device, or, at a verify, commit or realign
   view, references to what its fused check reads (``rules.Refs``: the view's tensors and
   their versions, no aten op), checked at the read with every view of its kind at once
-  (see "Cost" below). An engine, or a later hook, that writes a view's tensors in place
-  after the hook is seen at the next hook and the monitor copies from then on (as
-  before: a few stacks); a view whose tensors changed before the read is not judged on
-  them but listed in ``unchecked`` with a ``RuntimeWarning``. Inside a hook nothing is read back,
+  (see "Cost" below). A monitor's first ``PROBATION_STEPS`` steps copy instead (a few
+  stacks) and watch whether the engine, or a later hook, writes a view's tensors in
+  place after the hook: one that does is checked from the copies for the monitor's life,
+  and loses nothing. Past probation such a write is seen at the next hook and the
+  monitor copies from then on; the one view whose tensors changed before the read is
+  not judged on them but listed in ``unchecked`` with a ``RuntimeWarning``. Inside a hook nothing is read back,
   uploaded or sized by data (``invariants.testing.no_host_transfers`` proves it on a CPU).
   The masks are read at ``check()`` (also ``finish()``, the end of a ``with monitor:``
   block, or the next run's prefill): the one host read of the run, which raises the first
@@ -73,9 +75,9 @@ keeps anyway) and the read (``check()``) checks every waiting view of one kind a
 (``Fusion.batch_refs``: views of one row count laid side by side, one ``cat`` per field
 along the slots and an index from each column to its view, so no op runs per view;
 views of several row counts padded on the left with invalid slots, which changes no
-row's flags; both tested against each view alone on adversarial views). Once an engine
-was seen writing a view's tensors in place after its hook, the hook copies instead
-(``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
+row's flags; both tested against each view alone on adversarial views). On probation,
+and once an engine was seen writing a view's tensors in place after its hook, the hook
+copies instead (``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
 cannot wait (another phase, shapes the fusion does not expect) is checked in its hook as
 before; once ``MAX_WAITING`` views wait, they are checked in the hook (device ops, no
 read), which bounds what a long run keeps.
@@ -127,6 +129,11 @@ from .view import PHASES, StepView
 
 #: phases at which deep mode recomputes the KV cache (draft and commit see the same cache)
 KV_PHASES = ("prefill", "verify", "realign")
+
+#: fast mode copies what its deferred checks read during a monitor's first steps (and
+#: watches whether the engine writes its views' tensors in place after their hooks) and
+#: keeps references from this step on when it never did
+PROBATION_STEPS = 2
 
 #: fast mode: at most this many views wait with copies of their inputs; past it they are
 #: checked in the hook (device ops only, no read), which bounds the memory of a long run
@@ -279,9 +286,13 @@ class Monitor(Checker):
         self._groups = tuple(g for g in R.GROUPS if g.invariant in chosen)
         names = {g.name for g in self._groups}
         self._fusions = tuple(f for f in R.FUSIONS if all(n in names for n in f.groups))
-        #: fast mode: deferred checks keep the view's tensors by reference (``rules.Refs``)
-        #: until an engine is seen writing a view's tensors in place after its hook
-        self._by_reference = True
+        #: fast mode: whether deferred checks keep the view's tensors by reference
+        #: (``rules.Refs``): None on probation (the first ``PROBATION_STEPS`` steps: they
+        #: copy, and the versions of what they would have referenced are watched), then
+        #: True; False once an engine was seen writing a view's tensors in place after its
+        #: hook (copies for the monitor's life)
+        self._by_reference = None
+        self._watched: list = []  # probation: the Refs whose versions are watched
         self._consts = R.Constants()
         self._reset_run()
 
@@ -334,6 +345,11 @@ class Monitor(Checker):
             if not all(r.intact() for r in self._last_refs):
                 self._by_reference = False  # copy from now on (their check flags them)
             self._last_refs = []
+        if self._watched:  # probation: every view so far copied, their versions watched
+            if not all(r.intact() for r in self._watched):
+                self._by_reference, self._watched = False, []
+            elif view.step >= PROBATION_STEPS:
+                self._by_reference, self._watched = True, []
         if self.coverage is not None:
             self.coverage(phase, view)
         entry = self._cheap(view)
@@ -414,7 +430,12 @@ class Monitor(Checker):
                 defer = fusion.refer if self._by_reference and fusion.refer is not None \
                     else fusion.defer
                 try:
-                    wait = defer(facts, self._snapshot_of(view) if fusion.snapshot else None)
+                    table = self._snapshot_of(view) if fusion.snapshot else None
+                    wait = defer(facts, table)
+                    if self._by_reference is None and fusion.refer is not None:
+                        probe = fusion.refer(facts, table)  # probation: watched only
+                        if probe is not None:
+                            self._watched.append(probe[1])
                 except (RuntimeError, IndexError, ValueError, AttributeError):
                     wait = None
                 if wait is not None:

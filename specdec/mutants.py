@@ -191,14 +191,14 @@ def _pool_written_late(store: str):
     """A mutant of EXSPEC's ``write_back``: pool ``store`` ("kv", the target's; "draft_kv",
     the draft model's) receives the step's new KV one slot after its position."""
     def make(orig):
-        def write_back(ctx, state, pool, rows, batch, spec, host):
+        def write_back(ctx, state, pool, *rest):  # rest: rows, R, batch, spec, host
             kv = getattr(pool, store)
             if kv is None:
-                return orig(ctx, state, pool, rows, batch, spec, host)
+                return orig(ctx, state, pool, *rest)
             real = kv.write_back
             kv.write_back = lambda r, cache, first, dest: real(r, cache, first, dest + 1)
             try:
-                return orig(ctx, state, pool, rows, batch, spec, host)
+                return orig(ctx, state, pool, *rest)
             finally:
                 del kv.write_back
         return write_back

@@ -111,11 +111,11 @@ def test_exspec_draft_pool_written_back_one_slot_late_is_seen_as_rejected_drafts
         def write_back(self, rows, cache, first, dest):
             self.real.write_back(rows, cache, first, dest + 1)
 
-    def write_back(ctx, state, pool, rows, batch, spec, host):
+    def write_back(ctx, state, pool, *rest):
         real = pool.draft_kv
         pool.draft_kv = Late(real)
         try:
-            return orig(ctx, state, pool, rows, batch, spec, host)
+            return orig(ctx, state, pool, *rest)
         finally:
             pool.draft_kv = real
 
