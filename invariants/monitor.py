@@ -91,7 +91,7 @@ Strict mode reads every step, so its fusions and its provenance table run in the
 Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1``,
 tiny Llama, one thread, EQSPEC and holes, on a 2-core machine shared with other
 sessions, load 1.3-2.0; the README's "Cost of checking" has the figures and main's
-beside them): fast mode 19-22 aten ops per step in the hooks plus 6 at ``check()``
+beside them): fast mode 19-22 aten ops per step in the hooks plus 6-8 at ``check()``
 (main: 33-34 plus 6), +26-31% wall over no hooks, the Monitor's own CPU time 18-20% of
 the rest of the run (main: 21%); strict unchanged, 117-119 ops per step, +38-42%,
 29-30%; building the views (a null hook) adds 4-6%. The targets of issue 12 (fast
