@@ -39,10 +39,10 @@ before per-row lengths), ``AdaptivePolicy`` (the default, ``policy="adaptive"``)
   for each draft); a drafter without ``evidence`` gives one feature. The policy learns,
   online and on the device, the probability that the draft in slot ``j`` is accepted
   given the drafts before it were: per (feature, slot), accepted / reached, starting from
-  the drafter's prior (``evidence_prior``, worth ``PRIOR_WEIGHT`` observations), and
-  (``cautious``, the default) uses one standard error below it, ``p - sqrt(p (1 - p) /
-  n)`` over the ``n`` observations counted, so that evidence seen a few times pays less
-  than the same acceptance proven;
+  the drafter's prior (``evidence_prior``, worth ``PRIOR_WEIGHT`` observations); with
+  ``cautious=True`` (off by default) it uses one standard error below it, ``p - sqrt(p
+  (1 - p) / n)`` over the ``n`` observations counted, so that evidence seen a few times
+  pays less than the same acceptance proven;
 - the cost of verify width on this machine: ``StepCosts``, calibrated online from the
   step timings the engine records (``observe``), as the ratio ``r(w)`` of a step of width
   ``w`` to a plain step over as many rows.
@@ -292,14 +292,15 @@ class AdaptivePolicy(_PerRequest):
     prompts take over within a few steps. ``drain``: the power of a row's share of the
     most remaining budget in what its tokens are worth once no request waits (``DRAIN``;
     0: every active row's tokens count alike); ``cautious``: price acceptance one
-    standard error below its estimate (False: the estimate itself).
+    standard error below its estimate (default False: the estimate itself; True drafted
+    too little at batch 1, README ``### Per-row draft lengths``).
     """
 
     name = "adaptive"
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
-                 cautious: bool = True):
+                 cautious: bool = False):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)

@@ -278,9 +278,9 @@ def test_evidence_seen_a_few_times_pays_less_than_the_same_acceptance_proven():
     # cautious: one standard error below the counted acceptance; 0.6 over 4 observations
     # is worth 0.6 - 0.24, which pays for no width at these costs; over 400, 0.6 - 0.02
     cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
-    assert set(plan_with([0.6] * 8, cpu, seen=4)) == {0}
-    assert set(plan_with([0.6] * 8, cpu, seen=400)) == {2}
-    assert set(plan_with([0.6] * 8, cpu, seen=4, cautious=False)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, seen=4, cautious=True)) == {0}
+    assert set(plan_with([0.6] * 8, cpu, seen=400, cautious=True)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, seen=4)) == {2}  # the default: the estimate itself
 
 
 def test_the_budget_caps_the_expected_tokens():
