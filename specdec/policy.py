@@ -52,9 +52,11 @@ From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
 a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 and the
 step is plain decoding (width 1). ``v_b`` is what row b's tokens are worth: 1 while
-requests wait for a row (a row that finishes early frees its place for the next), and
-once every request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``):
-the batch then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step is as wide for every row (the verify forward is rectangular),
+requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
+which decodes in fixed groups, gets the weighting in its last group only), and once every
+request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
+then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step
+is as wide for every row (the verify forward is rectangular),
 so when a step drafts, every active row uses its ``w - 1`` drafts: a row whose own
 evidence is weak adds its expected tokens at no cost beyond the width the others pay
 for, and a row drafts only in a step whose expected committed tokens per unit of cost
