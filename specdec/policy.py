@@ -39,16 +39,24 @@ before per-row lengths), ``AdaptivePolicy`` (the default, ``policy="adaptive"``)
   for each draft); a drafter without ``evidence`` gives one feature. The policy learns,
   online and on the device, the probability that the draft in slot ``j`` is accepted
   given the drafts before it were: per (feature, slot), accepted / reached, starting from
-  the drafter's prior (``evidence_prior``, worth ``PRIOR_WEIGHT`` observations);
+  the drafter's prior (``evidence_prior``, worth ``PRIOR_WEIGHT`` observations); with
+  ``cautious=True`` (off by default) it uses one standard error below it, ``p - sqrt(p
+  (1 - p) / n)`` over the ``n`` observations counted, so that evidence seen a few times
+  pays less than the same acceptance proven;
 - the cost of verify width on this machine: ``StepCosts``, calibrated online from the
   step timings the engine records (``observe``), as the ratio ``r(w)`` of a step of width
   ``w`` to a plain step over as many rows.
 
 From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
-batch's expected tokens per unit of cost, ``sum_b E_b(w - 1) / r(w)``, and must beat a
-plain step (``B / r(1)``) by ``margin``; otherwise every row drafts 0 and the step is plain
-decoding (width 1). A step is as wide for every row (the verify forward is rectangular),
+batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
+a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 and the
+step is plain decoding (width 1). ``v_b`` is what row b's tokens are worth: 1 while
+requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
+which decodes in fixed groups, gets the weighting in its last group only), and once every
+request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
+then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step
+is as wide for every row (the verify forward is rectangular),
 so when a step drafts, every active row uses its ``w - 1`` drafts: a row whose own
 evidence is weak adds its expected tokens at no cost beyond the width the others pay
 for, and a row drafts only in a step whose expected committed tokens per unit of cost
@@ -79,6 +87,9 @@ PRIOR_SLOPE = 0.15
 COST_DECAY = 0.3
 #: observations per (feature, slot) that acceptance carried into a generate call weighs
 MEMORY = 32.0
+#: once no request waits, a row's committed tokens are worth (its remaining budget over the
+#: batch's most remaining) to this power: the batch ends with its slowest row
+DRAIN = 8.0
 
 
 class DraftPolicy(Protocol):
@@ -280,16 +291,23 @@ class AdaptivePolicy(_PerRequest):
     it is passed to; ``policy="adaptive"`` passes the model's own, ``calibration(model)``);
     ``costs``: a ``StepCosts`` for a fresh calibration. Acceptance carried into a call
     weighs at most ``MEMORY`` observations per (feature, slot), so that a new call's
-    prompts take over within a few steps.
+    prompts take over within a few steps. ``drain``: the power of a row's share of the
+    most remaining budget in what its tokens are worth once no request waits (``DRAIN``;
+    0: every active row's tokens count alike); ``cautious``: price acceptance one
+    standard error below its estimate (default False: the estimate itself; True drafted
+    too little at batch 1, README ``### Per-row draft lengths``).
     """
 
     name = "adaptive"
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, drain: float = DRAIN,
+                 cautious: bool = False):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
+        self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
+        self.cautious = bool(cautious)
         self.calibration = calibration if calibration is not None else Calibration(costs)
         self._stats_key = None
 
@@ -302,6 +320,7 @@ class AdaptivePolicy(_PerRequest):
         super().begin(k, requests, device)
         # [N, k] long: evidence bucket of every slot of the request's next step
         self.bucket = torch.zeros(requests, max(k, 1), dtype=torch.long, device=device)
+        self.waiting = requests  # requests not admitted yet (host integer)
         self._stats_key = None  # re-read (and age) the calibration's acceptance
 
     def _prepare(self, drafter, k: int, device) -> None:
@@ -326,6 +345,7 @@ class AdaptivePolicy(_PerRequest):
         """The admitted rows' first ``k_b``, planned from the drafter's evidence on their
         prompts (one host read per prefill); without a batch, 0 (plain steps until a
         commit gives evidence)."""
+        self.waiting = max(0, self.waiting - len(row_ids))
         if batch is None or drafter is None or self.k == 0 or not len(row_ids):
             return self._admit_as(row_ids, [0] * len(row_ids))
         self._prepare(drafter, self.k, batch.device)
@@ -361,7 +381,10 @@ class AdaptivePolicy(_PerRequest):
         j = torch.arange(k, device=features.device)[None, :]
         bucket = features * k + j  # [B, k]
         self.bucket.index_copy_(0, batch.row_ids, bucket)
-        p = self.hits[bucket] / self.tries[bucket]
+        tries = self.tries[bucket]
+        p = self.hits[bucket] / tries
+        if self.cautious:  # one standard error below the estimate: unproven evidence pays less
+            p = (p - (p * (1 - p) / tries).sqrt()).clamp(min=0.0)
         reach = torch.cumprod(p, dim=1)
         e = torch.cat([torch.ones_like(reach[:, :1]), 1 + torch.cumsum(reach, dim=1)], dim=1)
         usable = layout.draft_limit(layout.TORCH, k, batch.remaining)  # [B]
@@ -384,12 +407,24 @@ class AdaptivePolicy(_PerRequest):
         # uses the step's w - 1 drafts (the verify forward is rectangular: once the step
         # is w wide, a row's drafts cost nothing more than its plain token), a plain step
         # given the margin
-        total = (e * active[:, None]).sum(dim=0)  # [k+1]
+        total = (e * self.weights(batch)[:, None]).sum(dim=0)  # [k+1]
         scale[0] *= 1 + self.margin
         width = torch.stack([total[j] * scale[j] for j in range(k + 1)]).argmax()  # w - 1
         nxt = torch.where(active, width, 0)
         self.next.index_copy_(0, batch.row_ids, nxt)
         return nxt
+
+    def weights(self, batch) -> torch.Tensor:
+        """[B] float: what a committed token of each row is worth to the step's choice.
+        While requests wait, 1 for every active row (a row that finishes frees its place
+        for the next request); once none waits, the batch ends with its slowest row, so a
+        row's tokens are worth ``(remaining / most remaining) ** drain`` (the rows furthest
+        from their end count fully, rows ahead of them less); finished rows 0."""
+        active = ~batch.finished
+        if self.waiting or not self.drain:
+            return active.float()
+        left = torch.where(active, batch.remaining, 0).float()  # [B]
+        return (left / left.max().clamp(min=1.0)) ** self.drain
 
     def plan(self, batch, spec, drafter, k_step: int) -> torch.Tensor:
         k = self.k

@@ -197,9 +197,13 @@ def test_without_the_batch_admitted_rows_start_plain():
 
 # -- the adaptive decision --------------------------------------------------------------------
 
-def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None):
+def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None,
+              generated=None, waiting: bool = True, seen: float = 1e6, **options):
     """The adaptive plan for rows whose per-slot acceptance is ``acceptance[b]`` (one
-    evidence feature per row), with step costs ``ratios`` (r(w) = ratios[w - 1])."""
+    evidence feature per row, counted ``seen`` times), with step costs ``ratios``
+    (r(w) = ratios[w - 1]); ``generated[b]``: tokens row b has committed (default 1 each);
+    ``waiting``: whether requests still wait for a row (else every request was admitted);
+    ``options``: ``AdaptivePolicy``'s."""
     b = len(acceptance)
 
     class OneFeaturePerRow:
@@ -210,15 +214,17 @@ def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, 
 
     costs = policy.StepCosts()
     costs.ratios = lambda rows, widths: list(ratios)[:widths]
-    pol = policy.AdaptivePolicy(costs=costs)
-    pol.begin(k, b, torch.device("cpu"))
+    pol = policy.AdaptivePolicy(costs=costs, **options)
+    pol.begin(k, b + waiting, torch.device("cpu"))
+    pol.admit(list(range(b)))  # without the batch: planned below
     tokens, valid, positions, lengths = left_pad([[5, 6, 7]] * b)
     from specdec.batch import RaggedBatch
     from specdec.cache import SlabCache
 
     z = torch.zeros(b, dtype=torch.long)
     batch = RaggedBatch(tokens=tokens, valid=valid, positions=positions, lengths=lengths,
-                        prompt_lengths=lengths.clone(), budgets=z + budget, generated=z + 1,
+                        prompt_lengths=lengths.clone(), budgets=z + budget,
+                        generated=z + 1 if generated is None else torch.tensor(generated),
                         finished=torch.tensor(finished or [False] * b), row_ids=torch.arange(b),
                         output=torch.zeros(b, budget + k + 1, dtype=torch.long),
                         target_cache=SlabCache(1, 8))
@@ -226,8 +232,8 @@ def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, 
                        accepted=z, committed=z + 1)
     drafter = OneFeaturePerRow()
     pol._prepare(drafter, k, batch.device)
-    pol.tries = pol.tries * 1e6  # the prior is the measured acceptance (no learning here)
-    pol.hits = pol.hits * 1e6
+    pol.tries = pol.tries * seen / policy.PRIOR_WEIGHT  # the prior is the measured
+    pol.hits = pol.hits * seen / policy.PRIOR_WEIGHT  # acceptance (no learning here)
     return pol.plan(batch, spec, drafter, 0).tolist()
 
 
@@ -253,6 +259,28 @@ def test_the_width_is_chosen_for_the_whole_batch():
     # at a middling acceptance a narrower step pays best
     two = plan_with([0.6] * 8, [1.0, 1.05, 1.6, 2.4, 3.2])
     assert set(two) == {1}
+
+
+def test_once_no_request_waits_the_rows_ahead_of_the_slowest_count_less():
+    # the batch ends with its slowest row: seven rows near their end with long matches do
+    # not pay for a wide step while the row furthest from its end has none
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    good, ahead = [0.95] * 7 + [0.02], [36] * 7 + [4]
+    assert plan_with(good, cpu, budget=48, generated=ahead, waiting=False) == [0] * 8
+    # while requests wait, a row that finishes frees its place: every row's tokens count
+    assert plan_with(good, cpu, budget=48, generated=ahead, waiting=True) == [K] * 8
+    # and so they do with drain=0 (the weighting off), or when the slowest row has matches too
+    assert plan_with(good, cpu, budget=48, generated=ahead, waiting=False, drain=0) == [K] * 8
+    assert plan_with([0.95] * 8, cpu, budget=48, generated=ahead, waiting=False) == [K] * 8
+
+
+def test_evidence_seen_a_few_times_pays_less_than_the_same_acceptance_proven():
+    # cautious: one standard error below the counted acceptance; 0.6 over 4 observations
+    # is worth 0.6 - 0.24, which pays for no width at these costs; over 400, 0.6 - 0.02
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    assert set(plan_with([0.6] * 8, cpu, seen=4, cautious=True)) == {0}
+    assert set(plan_with([0.6] * 8, cpu, seen=400, cautious=True)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, seen=4)) == {2}  # the default: the estimate itself
 
 
 def test_the_budget_caps_the_expected_tokens():
