@@ -1200,6 +1200,21 @@ def _realign_ready(f: Facts) -> bool:
         and v.output.shape[1] > 0 and v.width > 0 and f.prompts.table.shape[1] > 2
 
 
+def _slots_wrong(holes: bool, tokens, want, valid, positions, rank, in_row, found):
+    """[B, S] bool: the slots ``realign_flags`` flags: a valid slot whose position is not
+    its rank among the row's valid slots or whose token is not the row's token of that
+    rank (``want``; holes: only ranks inside the row, ``in_row``; only rows ``found``, when
+    given), and, contiguous, a slot valid where it should not be or invalid where it should."""
+    tok = tokens != want
+    if holes:
+        tok = tok & in_row
+    if found is not None:
+        tok = tok & found
+    if holes:
+        return valid & ((positions != rank) | tok)
+    return (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+
+
 def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, found, extra, *,
                   consts: Constants, device) -> torch.Tensor:
     """[N] bool: the OR of the I2 layout (``holes``: the holes profile, else contiguous),
@@ -1222,15 +1237,8 @@ def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, fo
     t = out.shape[1]
     want = torch.where(rank < pl1, ptoks.gather(1, rank.clamp(0, max(ptoks.shape[1] - 1, 0))),
                        out.gather(1, (rank - pl1).clamp(0, max(t - 1, 0))))
-    tok = tokens != want
-    if holes:
-        tok = tok & (rank < n[:, None])
-    if found is not None:
-        tok = tok & found[:, None]
-    if holes:
-        bad = valid & ((positions != rank) | tok)
-    else:
-        bad = (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+    bad = _slots_wrong(holes, tokens, want, valid, positions, rank, rank < n[:, None],
+                       None if found is None else found[:, None])
     seq = pl != plen if found is None else (pl != plen) & found
     rows = [bad.any(dim=1), n < 1, n != pl + g, seq]
     if holes:
@@ -1572,15 +1580,8 @@ def _realign_side_by_side(holes: bool, refs: list, consts: Constants, device) ->
         rank = (torch.arange(cv.shape[0], device=device) - ends[cv])[None, :] + n_s
     want = torch.where(rank < pl_s, ptoks.gather(1, cv * p + rank.clamp(0, p - 1)),
                        out.gather(1, cv * t + (rank - pl_s).clamp(0, t - 1)))
-    tok = tokens != want
-    if holes:
-        tok = tok & (rank < n_s)
-    if found is not None:
-        tok = tok & found[:, cv]
-    if holes:
-        bad = valid & ((positions != rank) | tok)
-    else:
-        bad = (valid != (rank >= 0)) | (valid & ((positions != rank) | tok))
+    bad = _slots_wrong(holes, tokens, want, valid, positions, rank, rank < n_s,
+                       None if found is None else found[:, cv])
     plen = prow[:, :, 1]
     seq = pl != plen if found is None else (pl != plen) & found
     rows = [_segment_any(bad, cv, v), n < 1, n != pl + g, seq]
