@@ -116,12 +116,12 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[B, q] long: the fingerprint of every slot of ``k`` (layer 0's keys) and ``v`` (the
-    last layer's values), both slot-major ``[B, q, H, D]``: the sum, over heads and head
-    dims, of their bits read as integers (``words``), in int64. Integer sums wrap modulo
-    2**64, which is exact and independent of the order of the additions. One copy (the
-    two side by side, so the sum runs over contiguous memory) and one sum."""
-    b, q = k.shape[0], k.shape[1]
-    return words(torch.stack([k, v], dim=2)).view(b, q, -1).sum(dim=-1, dtype=torch.int64)
+    last layer's values), both head-major ``[B, H, q, D]`` as caches hold them (the last
+    dimension contiguous): the sum, over heads and head dims, of their bits read as
+    integers (``words``), in int64. Integer sums wrap modulo 2**64, which is exact and
+    independent of the order of the additions. Reductions over each tensor in place (the
+    contiguous head dim first), no copy."""
+    return words(k).sum(dim=-1).sum(dim=1) + words(v).sum(dim=-1).sum(dim=1)
 
 
 class Table:
@@ -244,7 +244,7 @@ class KVProvenance:
 
     @staticmethod
     def _ends(get, first: int = 0, last: int | None = None):
-        """(K of layer 0, V of the last layer), each slot-major ``[B, q, H, D]``, over slots
+        """(K of layer 0, V of the last layer), each head-major ``[B, H, q, D]``, over slots
         ``first .. last - 1`` of the cache ``get()`` returns (None when it has no layer).
         A cache may give them itself (``ends(first, last)``), in fewer view ops."""
         layers = get()
@@ -253,8 +253,7 @@ class KVProvenance:
             return ends(first, last)
         if not layers:
             return None
-        return (layers[0][0][:, :, first:last].transpose(1, 2),
-                layers[-1][1][:, :, first:last].transpose(1, 2))
+        return layers[0][0][:, :, first:last], layers[-1][1][:, :, first:last]
 
     def _table(self, name: str, view: StepView) -> Table:
         t = self.tables.get(name)
@@ -316,7 +315,7 @@ class KVProvenance:
         if phase in ("prefill", "verify") and target is not None and f is not None:
             first, q = f.cache_width, f.input_ids.shape[1]
             kv = self._ends(target, 0, first + q)
-            if kv is not None and kv[0].shape[1] == first + q and q > 0:
+            if kv is not None and kv[0].shape[2] == first + q and q > 0:
                 fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
                 if self.defer:  # only the fingerprint now: the cache changes in place
                     waiting = _Forward(view, fp, first, q)
@@ -332,7 +331,7 @@ class KVProvenance:
         if phase in ("prefill", "draft") and draft is not None:
             first = 0 if phase == "prefill" else view.width - 1
             kv = self._ends(draft, 0)
-            c = kv[0].shape[1] if kv is not None else 0
+            c = kv[0].shape[2] if kv is not None else 0
             if c > first:
                 table = self._table("draft", view)
                 fp = fingerprint(*kv)

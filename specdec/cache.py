@@ -100,7 +100,7 @@ class _Slab:
         # (nothing allocated later)
         self.reserve = False
         self.reserve_rows = 0
-        self._ends: dict = {}  # id(buffer) -> (buffer, its slot-major K0 and V_last views)
+        self._ends: dict = {}  # id(buffer) -> (buffer, its K0 and V_last views)
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -133,15 +133,15 @@ class _Slab:
             self.spare = torch.zeros_like(self.store)
         return self.spare[:, :, :rows]
 
-    def slot_major(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K of layer 0, V of the last layer) of the whole store, each ``[R, capacity, H,
+    def end_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K of layer 0, V of the last layer) of the whole store, each ``[R, H, capacity,
         D]`` (views), made once per buffer (the store and the spare alternate)."""
         st = self.store
         hit = self._ends.get(id(st))
         if hit is None or hit[0] is not st:
             if len(self._ends) >= 2:
                 self._ends.clear()
-            hit = self._ends[id(st)] = (st, st[0, 0].transpose(1, 2), st[-1, 1].transpose(1, 2))
+            hit = self._ends[id(st)] = (st, st[0, 0], st[-1, 1])
         return hit[1], hit[2]
 
     def swap(self, rows: int, width: int) -> None:
@@ -253,14 +253,14 @@ class LayerTensors(Sequence):
         self.layers, self.slab = layers, slab
 
     def ends(self, first: int = 0, last: int | None = None):
-        """(K of layer 0, V of the last layer), each ``[B, q, H, D]`` (slot-major views):
+        """(K of layer 0, V of the last layer), each ``[B, H, q, D]`` (views, head-major):
         slots ``first .. last - 1`` of the filled width (``last`` None: to the width);
         two slicing ops each."""
         slab = self.slab
         end = slab.width if last is None else min(last, slab.width)
-        k, v = slab.slot_major()
+        k, v = slab.end_layers()
         b = slab.rows
-        return k[:b, first:end], v[:b, first:end]
+        return k[:b, :, first:end], v[:b, :, first:end]
 
     def __len__(self) -> int:
         return len(self.layers)
