@@ -508,8 +508,11 @@ class Monitor(Checker):
             if refs and not evidence.intact():
                 self._unreferenced(entry, index, fusion, evidence)
                 continue
-            by_key.setdefault((fusion, key, refs), []).append((entry, index, evidence))
-        for (fusion, key, refs), members in by_key.items():
+            # (by reference, views of one row count are laid side by side: a few ops for
+            # all of them, where rows of different counts are stacked view by view)
+            by_key.setdefault((fusion, key, refs, evidence.size if refs else None),
+                              []).append((entry, index, evidence))
+        for (fusion, key, refs, _), members in by_key.items():
             stops = members[0][0].context["stops"]
             if refs:
                 self._settle_refs(fusion, key, members, stops)
