@@ -140,6 +140,15 @@ PROBATION_STEPS = 2
 MAX_WAITING = 192
 
 
+#: the last sentence of a trace whose view's tensors changed between its hook and the read
+#: that reported it (the rules are named, and the grid and state shown, from the tensors
+#: as they are at the read)
+IN_PLACE_NOTE = ("note: the view's tensors were written in place after its hook, before the "
+                 "read that reported it: the rules named, the slots, the grid and the state "
+                 "are read from them as they are now, not as the check saw them (the check "
+                 "itself, and the step and phase, are right); Monitor(\"strict\", "
+                 "read=\"phase\") reads and names at every phase")
+
 #: names in a group's ``reads`` that are monitor state, not view fields
 _STATE_NAMES = ("prev", "prompts", "stops", "is_commit", "is_prefill")
 _SIMPLE = (str, int, bool, tuple, type(None))
@@ -401,9 +410,11 @@ class Monitor(Checker):
         memo = self._memo
         to_run = []
         bits = 0
+        seen = None
         if plan.fields or plan.state:
             values = plan.values(view, self._prev, self._prompts, stops)
             sig = _signature(values)
+            seen = (values, sig)
         for g, pick, host_rules, name, bit in plan.steps:
             if pick is not None:  # skip a group whose inputs are those it checked
                 now = pick(sig)
@@ -482,7 +493,7 @@ class Monitor(Checker):
         entry = Entry(masks, host_failure, {
             "view": view, "checked": checked, "prev": self._prev, "prompts": self._prompts,
             "stops": P.stop_ids(view, stops) if facts is None else facts.stops,
-            "history_len": len(self._history)})
+            "history_len": len(self._history), "seen": seen})
         for index, fusion, key, evidence in waiting:
             self._deferred.append((entry, index, fusion, key, evidence))
             if isinstance(evidence, R.Refs):
@@ -757,7 +768,11 @@ class Monitor(Checker):
         also = sorted({f[0] for f in failing} - {inv})
         rule = R.slot_rule([f[1] for f in mine if f[1] is not None])
         slots = _slots(facts, rule, bad)
-        self._emit(self._build(view, inv, bad, slots, [f[2] for f in mine], rule=rule,
+        texts = [f[2] for f in mine]
+        seen = ctx.get("seen")
+        if seen is not None and _signature(seen[0]) != seen[1]:
+            texts.append(IN_PLACE_NOTE)
+        self._emit(self._build(view, inv, bad, slots, texts, rule=rule,
                                also=also, history_len=ctx["history_len"]))
 
     def _build(self, view, inv, rows, slots, rules, *, rule=None, also=(),

@@ -223,3 +223,35 @@ def test_a_static_shapes_run_is_checked_by_reference_as_strict_mode_checks_it(mu
             assert mon._by_reference and mon.unchecked == []
     assert found["fast"] == found["strict"]
     assert bool(found["fast"]) == (mutant is not None)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fast"])
+def test_a_trace_says_when_its_views_tensors_changed_before_the_read(mode):
+    """A loop that rewrites a flagged view's tensors in place after the hook, before the
+    read (a static buffer reused by the next phase): the violation keeps the step and
+    phase the check saw, and its trace says that the rules, slots and grid it shows are
+    read from the tensors as they are now; read at every phase, strict names them as the
+    hook saw them, with no such note. (Fast mode: a write seen on probation, so that the
+    view was checked from copies; past probation it is listed unchecked instead.)"""
+    from invariants.monitor import IN_PLACE_NOTE
+
+    bad = REALIGNS[0] if mode == "fast" else REALIGNS[1]
+
+    def run(monitor):
+        for i, (ph, v) in enumerate(VIEWS):
+            if i != bad:
+                monitor(ph, v)
+                continue
+            v = owned(shifted(v, slot=-2))
+            monitor(ph, v)
+            v.positions.copy_(shifted(VIEWS[bad][1], slot=-3).positions)  # another slot
+        return monitor.check()
+
+    [v, *_] = run(Monitor(mode, raise_on_violation=False))
+    assert (v.invariant, v.phase, v.step) == ("I3", "realign", VIEWS[bad][1].step)
+    assert v.trace["rules"][-1] == IN_PLACE_NOTE
+    [exact, *_] = run(Monitor("strict", raise_on_violation=False, read="phase"))
+    assert (exact.invariant, exact.phase, exact.step) == ("I3", "realign", VIEWS[bad][1].step)
+    assert IN_PLACE_NOTE not in exact.trace["rules"]
+    assert exact.trace["slots"] != v.trace["slots"]  # what the hook saw: slot -2, not -3
+
