@@ -226,8 +226,12 @@ class _Plan:
         f = self.fusions.get(bits)
         if f is None:
             have = {name for _, _, _, name, bit in self.steps if bits & bit}
-            f = self.fusions[bits] = tuple(
-                x for x in self._all_fusions if all(n in have for n in x.groups))
+            chosen, covered = [], set()
+            for x in self._all_fusions:  # (one whose groups an earlier one covers: not)
+                if all(n in have for n in x.groups) and not covered.issuperset(x.groups):
+                    chosen.append(x)
+                    covered.update(x.groups)
+            f = self.fusions[bits] = tuple(chosen)
         return f
 
 

@@ -1194,6 +1194,128 @@ def commit_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Te
                         consts=consts, device=device)
 
 
+# -- I6 state + history at a view that is not a commit (a pool's other group) --------------
+
+def state_history_flags(out, g, fin, budgets, rows, found, *, stops, consts: Constants,
+                        device) -> torch.Tensor:
+    """[N] bool: the OR of the I6 state rules and the I6 history rules of rows that are
+    not at a commit (``_fused_state | _fused_history`` there), rows given as explicit
+    tensors: ``out`` [N, T] (T > 0), ``g``/``budgets`` [N] long, ``fin`` [N] bool, the
+    previous snapshot's ``rows`` [N, 3 + T'] and ``found`` [N] bool (or None: every row
+    known). Row-wise only, so rows of several views of one (T, T') are checked at once."""
+    t = out.shape[1]
+    stop_out = P.stop_mask(out, stops)
+    last = (g - 1).clamp(0, t - 1)[:, None]
+    last_stop = stop_out.gather(1, last)[:, 0] & (g > 0)
+    after = (stop_out & (consts.row(t, device) < (g - 1)[:, None])).any(dim=1)
+    state = (g < 0) | (g > budgets.clamp(max=t)) | after | (fin != (last_stop | (g >= budgets)))
+    pg, pout = rows[:, 1], rows[:, 3:]
+    bad = g != pg
+    tt = min(t, pout.shape[1])
+    if tt:
+        bad = bad | ((out[:, :tt] != pout[:, :tt]) & (consts.row(tt, device) < pg[:, None])).any(dim=1)
+    return state | _found(bad, found)
+
+
+def _state_wait(f: Facts):
+    """(key, previous rows, found) of a view whose I6 state + history check fuses (a
+    realign: the view a scheduler that serves another group of its pool shows after
+    the commit), or None: another phase, no previous snapshot, fields not [B]."""
+    v = f.view
+    if v.phase != "realign" or f.prev is None:
+        return None
+    b, row = f.B, (f.B,)
+    t = v.output.shape[1] if v.output.dim() == 2 else 0
+    if not t or v.output.shape[0] != b or f.prev.table.shape[1] < 3 \
+            or any(x.shape != row for x in (v.generated, v.finished, v.budgets)):
+        return None
+    rows, found = f._rows_of(f.prev)
+    key = (t, rows.shape[1], f.stops if not isinstance(f.stops, torch.Tensor)
+           else id(f.stops), f.device, found is None)
+    return key, rows, found
+
+
+def _fused_realign_state(f: Facts):
+    """I6 state + history rules at a realign view: ``state_history_flags``."""
+    wait = _state_wait(f)
+    if wait is None:
+        return None
+    v = f.view
+    _, rows, found = wait
+    return state_history_flags(v.output, v.generated, f.finished, v.budgets, rows, found,
+                               stops=f.stops, consts=f.consts, device=f.device)
+
+
+@dataclass(frozen=True)
+class StateEvidence:
+    """What ``state_history_flags`` reads of one view, copied when the view is seen:
+    output ++ generated, finished (0/1), budgets [B, T + 3] long, and the previous
+    snapshot's rows [B, 3 + T'] with ``found`` (the monitor's own, never written in
+    place)."""
+
+    # [B, T + 3] long
+    table: torch.Tensor
+    # [B, 3 + T'] long
+    rows: torch.Tensor
+    # [B] bool or None
+    found: torch.Tensor | None
+
+    @property
+    def size(self) -> int:
+        return self.table.shape[0]
+
+
+def state_evidence(f: Facts, table=None):
+    """(key, StateEvidence) of a view whose I6 state + history check can wait, or None."""
+    wait = _state_wait(f)
+    if wait is None:
+        return None
+    key, rows, found = wait
+    v = f.view
+    counts = torch.stack([P._long(v.generated), P._long(f.finished), P._long(v.budgets)], 1)
+    return key, StateEvidence(torch.cat([P._long(v.output), counts], 1), rows, found)
+
+
+def _state_of_table(key, table, rows, found, consts, stops):
+    t, _, ids, device, _ = key
+    return state_history_flags(table[:, :t], table[:, t], table[:, t + 1] != 0, table[:, t + 2],
+                               rows, found, stops=ids if stops is None else stops,
+                               consts=consts, device=device)
+
+
+def state_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
+    """[sum of B] bool: ``state_history_flags`` of every view in ``evidence`` (one key),
+    in order."""
+    found = None if evidence[0].found is None else _cat([e.found for e in evidence])
+    return _state_of_table(key, _cat([e.table for e in evidence]),
+                           _cat([e.rows for e in evidence]), found, consts, stops)
+
+
+def state_refer(f: Facts, table=None):
+    """``state_evidence`` by reference: (key, Refs) or None."""
+    wait = _state_wait(f)
+    if wait is None:
+        return None
+    key, rows, found = wait
+    v = f.view
+    refs = _refs((v.output, v.generated, v.finished, v.budgets), (rows, found), (), f.B)
+    return None if refs is None else (key, refs)
+
+
+def state_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
+    """Per ref, [B] bool: ``state_history_flags`` of its rows, every view of one key at
+    once (one ``cat`` per field)."""
+    t, _, ids, device, _ = key
+    out, g, fin, budgets = (_cat([r.tensors[i] for r in refs]) for i in range(4))
+    rows = _cat([r.own[0] for r in refs])
+    found = None if refs[0].own[1] is None else _cat([r.own[1] for r in refs])
+    flags = state_history_flags(P._long(out), P._long(g), fin if fin.dtype == torch.bool
+                                else fin.bool(), P._long(budgets), rows, found,
+                                stops=ids if stops is None else stops, consts=consts,
+                                device=device)
+    return _split_back(flags, refs, list(range(len(refs))))
+
+
 def _realign_ready(f: Facts) -> bool:
     v = f.view
     return v.phase != "prefill" and v.phase != "commit" and f.prompts is not None \
@@ -1706,6 +1828,8 @@ FUSIONS = (
            refer=forward_refer, batch_refs=forward_batch_refs),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
            commit_batch, snapshot=True, refer=commit_refer, batch_refs=commit_batch_refs),
+    Fusion(("I6.state", "I6.history"), _fused_realign_state, state_evidence, state_batch,
+           refer=state_refer, batch_refs=state_batch_refs),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
            realign_evidence, realign_batch, refer=realign_refer,
            batch_refs=realign_batch_refs),

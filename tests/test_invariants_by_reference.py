@@ -159,8 +159,9 @@ def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
     prefill, a typical fast hook (the median of its phase) dispatches the verify's KV
     fingerprints and their copy (10 ops), the commit's snapshot (at most 9), nearly
     nothing at a realign or draft (a step whose batch lost rows looks its rows up
-    again: some 50 ops at that realign); no hook reads the host, uploads or makes a
-    data-dependent shape, and past probation the checks wait by reference."""
+    again: some 16 ops at that realign); no hook reads the host, uploads or makes a
+    data-dependent shape, and past probation the checks wait by reference. (A hook in
+    which ``MAX_WAITING`` views waited checks them all, once per that many views.)"""
     import specdec
     from invariants.testing import watch_hook
     from specdec import drafters, models
@@ -168,18 +169,23 @@ def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, models.TINY_VOCAB, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 31, (16,), generator=g)]
-    from invariants.monitor import PROBATION_STEPS
+    from invariants.monitor import MAX_WAITING, PROBATION_STEPS
 
     mon = Monitor("fast")
     watched = watch_hook(mon)
     ops = _Ops()
     seen, waited = {}, []
 
+    settled = []
+
     def hook(phase, view):
         ops.n = 0
+        waiting = len(mon._deferred)
         with ops.mode():
             watched(phase, view)
-        if phase != "prefill":
+        if len(mon._deferred) < waiting:  # MAX_WAITING views waited: checked in this hook
+            settled.append(ops.n)
+        elif phase != "prefill":
             seen.setdefault(phase, []).append(ops.n)
         if view.step >= PROBATION_STEPS:
             waited.extend(e for entry, *_, e in mon._deferred[-2:]
@@ -195,6 +201,8 @@ def test_a_fast_hook_dispatches_few_ops_and_no_transfer(strategy):
         and median["draft"] <= 1, median
     assert sum(map(sum, seen.values())) / sum(map(len, seen.values())) <= 8, median
     assert waited and all(isinstance(e, R.Refs) for e in waited)
+    views = sum(map(len, seen.values())) + len(settled)
+    assert len(settled) <= views // MAX_WAITING, settled  # (the views' batched check)
 
 
 @pytest.mark.engine

@@ -167,6 +167,49 @@ def test_the_commit_fusion_is_exact_on_adversarial_commits(data):
     break_view(data, data.draw(st.sampled_from(COMMITS), label="commit view"))
 
 
+REALIGN_STATES = [x for x in VIEWS if x[0].phase == "realign" and x[1] is not None]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_realign_state_fusion_is_exact_on_adversarial_realigns(data):
+    """The I6 state + history fusion of a realign view (a pool's other group, EXSPEC)
+    flags what the two groups flag, on views with a few edits each of the kinds that
+    matter there: a stop token before a row's last output, or as its last; a count moved
+    (generated, a budget, finished); a request id the previous snapshot does not know
+    (a row the history rules cannot judge, where the state rules alone must flag); any
+    output value."""
+    from toy_engine import TOY_STOP
+
+    view, prev, prompts = data.draw(st.sampled_from(REALIGN_STATES), label="realign view")
+    edits = {n: getattr(view, n).clone() for n in ("output", "generated", "finished",
+                                                    "budgets", "row_ids")}
+    b, t = edits["output"].shape
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        row = data.draw(st.integers(0, b - 1), label="row")
+        kind = data.draw(st.sampled_from(["stop", "last_stop", "count", "unknown", "output"]))
+        g = int(edits["generated"][row])
+        if kind in ("stop", "output"):
+            at = data.draw(st.integers(0, t - 1), label="slot")
+            edits["output"][row, at] = TOY_STOP if kind == "stop" else data.draw(
+                st.integers(-1, 20), label="token")
+        elif kind == "last_stop" and g > 0:
+            edits["output"][row, min(g, t) - 1] = TOY_STOP
+        elif kind == "count":
+            name = data.draw(st.sampled_from(["generated", "budgets", "finished"]))
+            edits[name][row] = data.draw(st.sampled_from([-1, 0, 1, 2, t - 1, t, t + 1]),
+                                         label=name) \
+                if name != "finished" else 1 - int(edits[name][row])
+        elif kind == "unknown":
+            edits["row_ids"][row] = 100 + row
+    fusion = next(f for f in R.FUSIONS if f.groups == ("I6.state", "I6.history"))
+    view = dataclasses.replace(view, **edits)
+    facts = lambda: R.Facts(view, prev=prev, prompts=prompts)  # noqa: E731
+    want = definitional([R.GROUPS_BY_NAME[n] for n in fusion.groups], facts())
+    got = fusion.fused(facts())
+    assert got is not None and got.tolist() == want.tolist(), (got, want)
+
+
 def break_view(data, monitored):
     view, prev, prompts = monitored
     fields = data.draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True))
