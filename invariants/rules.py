@@ -1345,7 +1345,9 @@ def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, fo
     ``pl`` (prompt lengths), ``g`` (generated) [N] long; ``out`` [N, T] the output;
     ``prow`` [N, 2 + P] the remembered prompt rows with ``found`` [N] (None: every row
     known); ``extra``: holes, the rows' finished flags [N]; contiguous, the minimal-width
-    rule's flag (a 0-dim tensor for one view, or per row). Row-wise otherwise, and
+    rule's flag (a 0-dim tensor for one view, or per row), or for the grouped profile,
+    whose layout is the contiguous one with no padding, n != W per row (``_realign_extra``).
+    Row-wise otherwise, and
     unchanged by slots on the left that are invalid with token and position 0, so views
     of one kind can be checked at once (``realign_batch``)."""
     s = valid.shape[1]
@@ -1370,12 +1372,22 @@ def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, fo
     return torch.stack(rows).any(dim=0) | extra
 
 
-def _realign_fusion(f: Facts, holes: bool):
+def _realign_extra(profile: str, n, w, finished):
+    """``realign_flags``' extra flag: holes, the rows' finished flags; contiguous, the
+    minimal-width rule (max(n) != W, one for the view); grouped, n != W per row (with
+    the contiguous layout, that is the grouped profile's no-padding rule)."""
+    if profile == "holes":
+        return finished
+    return n.max() != w if profile == "contiguous" else n != w
+
+
+def _realign_fusion(f: Facts, profile: str):
     if not _realign_ready(f):
         return None
     v = f.view
+    holes = profile == "holes"
     rows, found = f._rows_of(f.prompts)
-    extra = f.finished if holes else v.lengths.max() != v.width
+    extra = _realign_extra(profile, v.lengths, v.width, f.finished)
     return realign_flags(holes, v.tokens, f.valid, v.positions, v.lengths, v.prompt_lengths,
                          v.generated, v.output, rows, found, extra, consts=f.consts,
                          device=f.device)
@@ -1383,12 +1395,20 @@ def _realign_fusion(f: Facts, holes: bool):
 
 def _fused_contiguous_realign(f: Facts):
     """I2 (contiguous) + I3 positions + I6 sequence rules at a view with new slots."""
-    return _realign_fusion(f, False)
+    return _realign_fusion(f, "contiguous")
 
 
 def _fused_holes_realign(f: Facts):
     """I2 (holes) + I3 positions + I6 sequence rules at a view with new slots."""
-    return _realign_fusion(f, True)
+    return _realign_fusion(f, "holes")
+
+
+def _fused_grouped_realign(f: Facts):
+    """I2 (grouped) + I3 positions + I6 sequence rules at a view with new slots (a pool's
+    group: no padding, every row n = W)."""
+    if f.view.profile != "grouped":
+        return None
+    return _realign_fusion(f, "grouped")
 
 
 @dataclass(frozen=True)
@@ -1414,7 +1434,7 @@ class RealignEvidence:
 
 
 def _realign_wait(f: Facts, profile: str):
-    """(holes, the remembered prompt rows, found) of a realign view of ``profile`` whose
+    """(profile, the remembered prompt rows, found) of a realign view of ``profile`` whose
     check can wait, or None (see ``realign_evidence``)."""
     v = f.view
     if v.phase != "realign" or v.profile != profile or not _realign_ready(f):
@@ -1425,7 +1445,7 @@ def _realign_wait(f: Facts, profile: str):
             or any(x.shape != row for x in (v.lengths, v.prompt_lengths, v.generated, v.finished)):
         return None
     prompts, found = f._rows_of(f.prompts)
-    return v.profile == "holes", prompts, found
+    return profile, prompts, found
 
 
 def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
@@ -1436,21 +1456,23 @@ def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
     if wait is None:
         return None
     v, b, w = f.view, f.B, f.view.width
-    holes, prompts, found = wait
+    profile, prompts, found = wait
     # the extra column is nonzero where the flag holds: holes, finished; contiguous,
-    # max(lengths) - W (the minimal-width rule), already long
-    extra = P._long(f.finished) if holes else (v.lengths.max() - w).expand(b)
+    # max(lengths) - W (the minimal-width rule); grouped, lengths - W; already long
+    extra = P._long(f.finished) if profile == "holes" else \
+        (v.lengths.max() - w).expand(b) if profile == "contiguous" else v.lengths - w
     slots = torch.stack([v.tokens, v.positions, f.valid.long()], 1)
     rows = torch.cat([v.output, torch.stack([v.lengths, v.prompt_lengths, v.generated,
                                              extra], 1)], 1)
-    key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
+    key = (profile, prompts.shape[1], v.output.shape[1], f.device, found is None)
     return key, RealignEvidence(slots, rows, prompts, found)
 
 
 def realign_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
     """[sum of B] bool: ``realign_flags`` of every realign view in ``evidence`` (one key),
     in order; views of different widths are padded on the left with invalid slots."""
-    holes, _, t, device, _ = key
+    profile, _, t, device, _ = key
+    holes = profile == "holes"
     if len(evidence) == 1:
         e = evidence[0]
         slots, rows, prompts, found = e.slots, e.rows, e.prompts, e.found
@@ -1640,8 +1662,8 @@ def realign_refer(f: Facts, table=None, *, profile: str = "contiguous"):
     if wait is None:
         return None
     v, b = f.view, f.B
-    holes, prompts, found = wait
-    key = (holes, prompts.shape[1], v.output.shape[1], f.device, found is None)
+    profile, prompts, found = wait
+    key = (profile, prompts.shape[1], v.output.shape[1], f.device, found is None)
     refs = _refs((v.tokens, v.positions, v.valid, v.output, v.lengths, v.prompt_lengths,
                   v.generated, v.finished), (prompts, found), (v.width,), b)
     return None if refs is None else (key, refs)
@@ -1676,10 +1698,11 @@ def _segment_any(x: torch.Tensor, cv: torch.Tensor, v: int) -> torch.Tensor:
         .index_add_(1, cv, x.long()) != 0
 
 
-def _realign_side_by_side(holes: bool, refs: list, consts: Constants, device) -> torch.Tensor:
+def _realign_side_by_side(profile: str, refs: list, consts: Constants, device) -> torch.Tensor:
     """[B, V]: ``realign_flags`` of views of one row count laid side by side (no op per
     view): slots ``cat`` along dim 1, row quantities stacked [B, V], each slot reading
     its view's through the column's view index."""
+    holes = profile == "holes"
     v, b = len(refs), refs[0].size
     cv, start, ends, wt = _side_by_side([r.facts[0] for r in refs], consts, device)
     tokens = torch.cat([r.tensors[0] for r in refs], 1)
@@ -1713,7 +1736,9 @@ def _realign_side_by_side(holes: bool, refs: list, consts: Constants, device) ->
         rows += [cs[:, last] - base != n, ~(valid[:, last] | (fin if fin.dtype == torch.bool
                                                               else fin.bool()))]
         return torch.stack(rows).any(dim=0)
-    return torch.stack(rows).any(dim=0) | (n.amax(dim=0) != wt)  # minimal width, per view
+    # contiguous: the minimal width, per view; grouped: n = W, per row
+    return torch.stack(rows).any(dim=0) | (
+        (n.amax(dim=0) if profile == "contiguous" else n) != wt)
 
 
 def _forward_side_by_side(refs: list, q: int, consts: Constants, device) -> torch.Tensor:
@@ -1751,9 +1776,10 @@ def _forward_side_by_side(refs: list, q: int, consts: Constants, device) -> torc
 def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
     """Per ref, [B] bool: ``realign_flags`` of its rows, every view of one key at once
     (views of other widths padded on the left with invalid slots)."""
-    holes, _, t, device, _ = key
+    profile, _, t, device, _ = key
+    holes = profile == "holes"
     if len(refs) > 1 and all(r.size == refs[0].size for r in refs):
-        return list(_realign_side_by_side(holes, refs, consts, device).unbind(1))
+        return list(_realign_side_by_side(profile, refs, consts, device).unbind(1))
     w = max(r.facts[0] for r in refs)
     # [N, 3, W]: tokens, positions, valid (1/0; -1 on the padding: no slot of the view)
     slots = _cat([torch.nn.functional.pad(x, (w - x.shape[2], 0), value=-1)
@@ -1764,9 +1790,10 @@ def realign_batch_refs(key, refs: list, consts: Constants, stops=None) -> list:
     n, pl, g = (_cat([r.tensors[i] for r in refs]) for i in (4, 5, 6))
     if holes:
         extra = _cat([r.tensors[7] for r in refs]).bool()
-    else:  # the minimal-width rule: max(lengths) = W, per view (W: its real slots)
-        width = (slots[:, 2] >= 0).sum(dim=1)
-        extra = _per_view(refs, n, lambda x: x.amax(dim=1)) != width
+    else:  # the minimal-width rule: max(lengths) = W, per view (W: its real slots); grouped,
+        width = (slots[:, 2] >= 0).sum(dim=1)  # n = W per row
+        extra = (_per_view(refs, n, lambda x: x.amax(dim=1)) if profile == "contiguous"
+                 else n) != width
     prompts = _cat([r.own[0] for r in refs])
     found = None if refs[0].own[1] is None else _cat([r.own[1] for r in refs])
     flags = realign_flags(holes, slots[:, 0], slots[:, 2] == 1, slots[:, 1], n, pl, g, out,
@@ -1836,6 +1863,10 @@ FUSIONS = (
     Fusion(("I2.holes", "I2.holes_pending", "I3.positions", "I6.sequence"), _fused_holes_realign,
            functools.partial(realign_evidence, profile="holes"), realign_batch,
            refer=functools.partial(realign_refer, profile="holes"),
+           batch_refs=realign_batch_refs),
+    Fusion(("I2.grouped", "I3.positions", "I6.sequence"), _fused_grouped_realign,
+           functools.partial(realign_evidence, profile="grouped"), realign_batch,
+           refer=functools.partial(realign_refer, profile="grouped"),
            batch_refs=realign_batch_refs),
 )
 

@@ -149,7 +149,13 @@ FIELDS = ("tokens", "valid", "positions", "lengths", "prompt_lengths", "budgets"
           "committed", "generated_before")
 VIEWS = monitored_views() + monitored_views(seed=3, accept_p=1.0, profile="holes") \
     + monitored_views(prompts=[[4], [5, 6]], k=1, budget=3, seed=1, accept_p=0.0) \
-    + monitored_views(prompts=[[4, 5], [6], [7, 8, 9]], k=0, budget=4, seed=2)
+    + monitored_views(prompts=[[4, 5], [6], [7, 8, 9]], k=0, budget=4, seed=2) \
+    + monitored_views(prompts=[[3, 4, 5], [6, 7, 8], [9, 10, 11]], k=2, budget=16, seed=4,
+                      accept_p=1.0, profile="grouped") \
+    + monitored_views(prompts=[[3, 4], [6, 7], [9, 10]], k=2, budget=6, seed=5,
+                      profile="grouped") \
+    + monitored_views(prompts=[[3, 4, 5], [6], [9, 10]], k=2, budget=6, seed=6,
+                      profile="holes")
 
 
 COMMITS = [x for x in VIEWS if x[0].phase == "commit"]
@@ -238,7 +244,28 @@ def test_views_checked_together_flag_what_each_flags_alone(data):
     view alone; so does ``batch_refs`` over the same views kept by reference (``refer``
     accepts every view ``defer`` accepts, with the same key); a view whose evidence is
     taken is not changed by it."""
-    chosen = data.draw(st.lists(st.sampled_from(WAITING), min_size=1, max_size=5), label="views")
+    checked_together(data, WAITING, 1)
+
+
+#: per fusion that waits, the views it takes (several of one kind side by side)
+POOLS = [pool for pool in (
+    [x for x in WAITING if fusion.defer(R.Facts(x[0], prev=x[1], prompts=x[2]),
+                                        P.Snapshot.of(x[0]).table) is not None]
+    for fusion in R.FUSIONS if fusion.defer is not None) if len(pool) > 1]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_views_of_one_kind_checked_side_by_side_flag_what_each_flags_alone(data):
+    """As above, with every view drawn from those of one fusion (so that views of one
+    row count are laid side by side, ``batch_refs``' own path, on every kind: forward,
+    commit, state, contiguous, holes and grouped realigns)."""
+    checked_together(data, data.draw(st.sampled_from(POOLS), label="kind"), 2)
+
+
+def checked_together(data, pool, least):
+    chosen = data.draw(st.lists(st.sampled_from(pool), min_size=least, max_size=5),
+                       label="views")
     by_key, alone = {}, {}
     for j, (view, prev, prompts) in enumerate(chosen):
         fields = data.draw(st.lists(st.sampled_from(FIELDS), max_size=3, unique=True))
