@@ -173,10 +173,9 @@ def left_pad(prompts: list[list[int]], device=None):
     """
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     width = int(max(len(p) for p in prompts))
-    tokens = torch.full((len(prompts), width), PAD_FILL, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):  # host-side construction of the input, once per batch
-        if p:
-            tokens[b, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
+    # the rectangle is built on the host and uploaded once (not one copy per row)
+    tokens = torch.tensor([[PAD_FILL] * (width - len(p)) + list(p) for p in prompts],
+                          dtype=torch.long, device=device).reshape(len(prompts), width)
     j = torch.arange(width, device=device)[None, :]
     pad = layout.new_padding(width, lengths)[:, None]
     valid = layout.slot_valid(j, pad)

@@ -154,8 +154,8 @@ def admit(ctx, state, pool: Pool) -> None:
     pool.lengths[R] = batch.lengths
     pool.prompt_lengths[R] = batch.prompt_lengths
     pool.budgets[R] = batch.budgets
-    pool.generated[R] = 0
-    pool.output[R] = 0
+    pool.generated.index_fill_(0, R, 0)  # (fill kernels: a Python 0 assigned by index
+    pool.output.index_fill_(0, R, 0)  # would be uploaded first)
     pool.row_ids[R] = batch.row_ids
     timed(state, "prefill", t)
 
