@@ -1276,19 +1276,16 @@ def state_evidence(f: Facts, table=None):
     return key, StateEvidence(torch.cat([P._long(v.output), counts], 1), rows, found)
 
 
-def _state_of_table(key, table, rows, found, consts, stops):
-    t, _, ids, device, _ = key
-    return state_history_flags(table[:, :t], table[:, t], table[:, t + 1] != 0, table[:, t + 2],
-                               rows, found, stops=ids if stops is None else stops,
-                               consts=consts, device=device)
-
-
 def state_batch(key, evidence: list, consts: Constants, stops=None) -> torch.Tensor:
     """[sum of B] bool: ``state_history_flags`` of every view in ``evidence`` (one key),
     in order."""
+    t, _, ids, device, _ = key
+    table = _cat([e.table for e in evidence])
     found = None if evidence[0].found is None else _cat([e.found for e in evidence])
-    return _state_of_table(key, _cat([e.table for e in evidence]),
-                           _cat([e.rows for e in evidence]), found, consts, stops)
+    return state_history_flags(table[:, :t], table[:, t], table[:, t + 1] != 0, table[:, t + 2],
+                               _cat([e.rows for e in evidence]), found,
+                               stops=ids if stops is None else stops, consts=consts,
+                               device=device)
 
 
 def state_refer(f: Facts, table=None):
@@ -1345,9 +1342,8 @@ def realign_flags(holes: bool, tokens, valid, positions, n, pl, g, out, prow, fo
     ``pl`` (prompt lengths), ``g`` (generated) [N] long; ``out`` [N, T] the output;
     ``prow`` [N, 2 + P] the remembered prompt rows with ``found`` [N] (None: every row
     known); ``extra``: holes, the rows' finished flags [N]; contiguous, the minimal-width
-    rule's flag (a 0-dim tensor for one view, or per row), or for the grouped profile,
-    whose layout is the contiguous one with no padding, n != W per row (``_realign_extra``).
-    Row-wise otherwise, and
+    rule's flag (a 0-dim tensor for one view, or per row); grouped (the contiguous layout
+    with no padding), n != W per row (``_realign_extra``). Row-wise otherwise, and
     unchanged by slots on the left that are invalid with token and position 0, so views
     of one kind can be checked at once (``realign_batch``)."""
     s = valid.shape[1]
@@ -1457,10 +1453,8 @@ def realign_evidence(f: Facts, table=None, *, profile: str = "contiguous"):
         return None
     v, b, w = f.view, f.B, f.view.width
     profile, prompts, found = wait
-    # the extra column is nonzero where the flag holds: holes, finished; contiguous,
-    # max(lengths) - W (the minimal-width rule); grouped, lengths - W; already long
-    extra = P._long(f.finished) if profile == "holes" else \
-        (v.lengths.max() - w).expand(b) if profile == "contiguous" else v.lengths - w
+    # the extra column: 1 where the flag holds
+    extra = P._long(_realign_extra(profile, v.lengths, w, f.finished)).expand(b)
     slots = torch.stack([v.tokens, v.positions, f.valid.long()], 1)
     rows = torch.cat([v.output, torch.stack([v.lengths, v.prompt_lengths, v.generated,
                                              extra], 1)], 1)
