@@ -71,7 +71,7 @@ def decode(name: str, target, ids, new: int, batch: int, k: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", default="benchmarks/specbench_sample.jsonl",
-                    help="a JSONL file in the prompt reader's formats")
+                    help="a count of built-in prompts, or a JSONL file in the prompt reader's formats")
     ap.add_argument("--kinds", nargs="+", default=["qa", "math_reasoning"])
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, tok = models.default_model()
-    chosen = prompts.load_jsonl(args.prompts)
+    chosen = (prompts.builtin_prompts()[: int(args.prompts)] if args.prompts.isdigit()
+              else prompts.load_jsonl(args.prompts))
     groups = {kind: prompts.encode([p for p in chosen if p.kind == kind], tok) for kind in args.kinds}
     clock = ForwardClock()
     cache_mod.forward = clock  # phases and reference call it through the module
