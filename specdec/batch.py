@@ -148,8 +148,13 @@ class RaggedBatch:
         realignment: each row's real tokens, its ``committed`` new ones (``predictions
         [:, :committed]``, [B, q] and [B]) included, right-aligned in order, so the newest
         committed token (the next pending token) is last. What a drafter reads to plan the
-        next step (an int scatter and gather, ``compact_tokens``)."""
+        next step (an int scatter and gather, ``compact_tokens``). After a plain step
+        (``q = 1``: every row commits its one prediction) that is the batch with the
+        predictions appended as one more column, built so without the scatter."""
         q = predictions.shape[1]
+        if q == 1 and not self.holes:  # right-aligned already: one more valid column each
+            return (torch.cat([self.tokens, predictions], dim=1),
+                    torch.cat([self.valid, torch.ones_like(self.valid[:, :1])], dim=1))
         i = torch.arange(q, device=self.device)[None, :]
         n = self.lengths[:, None]
         tokens = torch.cat([self.tokens, predictions], dim=1)

@@ -329,15 +329,21 @@ class SlabCache(Cache):
         """Copy rows ``moved_from`` ([M] long, all ``>= kept``) onto rows ``moved_to`` ([M]
         long, all ``< kept``), then keep the first ``kept`` rows (``batch.rows_leaving``):
         finished rows leave by moving only the ``M`` rows that fill their places (through
-        the spare buffer), not the whole cache."""
+        the spare buffer), not the whole cache. Before the first realignment made the
+        spare, through a temporary of the ``M`` rows instead: making the spare zeroes a
+        buffer as large as the store (about 14 ms for SmolLM2 at batch 8, a seventh of a
+        step), which a batch whose steps are all plain never needs."""
         slab = self.slab
         if slab.store is None:
             raise RuntimeError("keep_rows before the first forward")
         w, m = slab.width, moved_to.shape[0]
         if m:
             kv = as_wide_elements(slab.kv[..., :w, :])
-            tmp = as_wide_elements(slab.spare_rows(m)[..., :w, :])
-            torch.index_select(kv, 2, moved_from, out=tmp)
+            if slab.spare is None:
+                tmp = torch.index_select(kv, 2, moved_from)
+            else:
+                tmp = as_wide_elements(slab.spare_rows(m)[..., :w, :])
+                torch.index_select(kv, 2, moved_from, out=tmp)
             kv.index_copy_(2, moved_to, tmp)
         slab.rows = kept
 

@@ -51,7 +51,10 @@ From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
 a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 and the
-step is plain decoding (width 1). ``v_b`` is what row b's tokens are worth: 1 while
+step is plain decoding (width 1). Once no request waits, the weighted harmonic mean
+``sum_b v_b / sum_b (v_b / E_b(w - 1))`` takes the sum's place (a plain step: 1;
+``AdaptivePolicy.value``, ``harmonic``): the batch ends with its slowest row, the rows
+without matches are the ones that stay behind, and a time per row averages as ``1 / E``. ``v_b`` is what row b's tokens are worth: 1 while
 requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
 which decodes in fixed groups, gets the weighting in its last group only), and once every
 request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
@@ -295,19 +298,22 @@ class AdaptivePolicy(_PerRequest):
     most remaining budget in what its tokens are worth once no request waits (``DRAIN``;
     0: every active row's tokens count alike); ``cautious``: price acceptance one
     standard error below its estimate (default False: the estimate itself; True drafted
-    too little at batch 1, README ``### Per-row draft lengths``).
+    too little at batch 1, README ``### Per-row draft lengths``); ``harmonic``: once no
+    request waits, a step's return is the rows' weighted harmonic mean of expected tokens
+    (``value``; default True; False: their weighted sum, as while requests wait).
     """
 
     name = "adaptive"
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
-                 cautious: bool = False):
+                 cautious: bool = False, harmonic: bool = True):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
         self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
         self.cautious = bool(cautious)
+        self.harmonic = bool(harmonic)
         self.calibration = calibration if calibration is not None else Calibration(costs)
         self._stats_key = None
 
@@ -407,12 +413,28 @@ class AdaptivePolicy(_PerRequest):
         # uses the step's w - 1 drafts (the verify forward is rectangular: once the step
         # is w wide, a row's drafts cost nothing more than its plain token), a plain step
         # given the margin
-        total = (e * self.weights(batch)[:, None]).sum(dim=0)  # [k+1]
+        total = self.value(e, self.weights(batch)[:, None])  # [k+1]
         scale[0] *= 1 + self.margin
         width = torch.stack([total[j] * scale[j] for j in range(k + 1)]).argmax()  # w - 1
         nxt = torch.where(active, width, 0)
         self.next.index_copy_(0, batch.row_ids, nxt)
         return nxt
+
+    def value(self, e: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[k+1]: what a step of each width returns (before its cost), from ``e`` [B, k+1]
+        (``expected``) and the rows' weights ``v`` [B, 1] (``weights``). While requests
+        wait, the weighted sum of the rows' expected tokens (a pool refills a row that
+        finishes early: tokens are what count). Once none waits, with ``drain`` and ``harmonic`` (the
+        default), their weighted harmonic mean ``sum v / sum (v / E)``: the batch then ends
+        with its slowest row, and which row that is follows the rows' evidence (rows with
+        matches get ahead, rows without stay behind), so the return is one of time per
+        row, ``1 / E``, averaged, and a step pays only when most rows that count expect
+        more than a token from it. Every row alike (a batch of one; drafts with the same
+        acceptance for every row) gives what the weighted sum gives. A plain step is worth
+        ``sum v`` and 1 respectively."""
+        if self.waiting or not self.drain or not self.harmonic:
+            return (e * v).sum(dim=0)
+        return v.sum(dim=0) / (v / e).sum(dim=0).clamp(min=1e-30)
 
     def weights(self, batch) -> torch.Tensor:
         """[B] float: what a committed token of each row is worth to the step's choice.
