@@ -51,11 +51,11 @@ From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
 a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 and the
-step is plain decoding (width 1). Once no request waits, the weighted harmonic mean
-``sum_b v_b / sum_b (v_b / E_b(w - 1))`` takes the sum's place (a plain step: 1;
-``AdaptivePolicy.value``, ``harmonic``): the batch ends with its slowest row, the rows
-without matches are the ones that stay behind, and a time per row averages as ``1 / E``. ``v_b`` is what row b's tokens are worth: 1 while
-requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
+step is plain decoding (width 1). (Optionally, ``AdaptivePolicy(harmonic=True)``: once
+no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
+takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
+default: its measurements were mixed, README ``### Per-row draft lengths``.) ``v_b`` is
+what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
 which decodes in fixed groups, gets the weighting in its last group only), and once every
 request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
 then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step
@@ -300,14 +300,15 @@ class AdaptivePolicy(_PerRequest):
     standard error below its estimate (default False: the estimate itself; True drafted
     too little at batch 1, README ``### Per-row draft lengths``); ``harmonic``: once no
     request waits, a step's return is the rows' weighted harmonic mean of expected tokens
-    (``value``; default True; False: their weighted sum, as while requests wait).
+    (``value``; default False: their weighted sum, as while requests wait; True lifted
+    the kinds that barely draft but cost the kinds where drafts are best, README).
     """
 
     name = "adaptive"
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
-                 cautious: bool = False, harmonic: bool = True):
+                 cautious: bool = False, harmonic: bool = False):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
@@ -424,8 +425,8 @@ class AdaptivePolicy(_PerRequest):
         """[k+1]: what a step of each width returns (before its cost), from ``e`` [B, k+1]
         (``expected``) and the rows' weights ``v`` [B, 1] (``weights``). While requests
         wait, the weighted sum of the rows' expected tokens (a pool refills a row that
-        finishes early: tokens are what count). Once none waits, with ``drain`` and ``harmonic`` (the
-        default), their weighted harmonic mean ``sum v / sum (v / E)``: the batch then ends
+        finishes early: tokens are what count), and so by default. Once none waits, with
+        ``drain`` and ``harmonic``, their weighted harmonic mean ``sum v / sum (v / E)``: the batch then ends
         with its slowest row, and which row that is follows the rows' evidence (rows with
         matches get ahead, rows without stay behind), so the return is one of time per
         row, ``1 / E``, averaged, and a step pays only when most rows that count expect

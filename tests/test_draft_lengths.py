@@ -274,21 +274,23 @@ def test_once_no_request_waits_the_rows_ahead_of_the_slowest_count_less():
     assert plan_with([0.95] * 8, cpu, budget=48, generated=ahead, waiting=False) == [K] * 8
 
 
-def test_once_no_request_waits_a_step_pays_through_most_rows_not_their_sum():
+def test_with_the_harmonic_return_a_step_pays_through_most_rows_not_their_sum():
     # all at the same distance from their end, half the rows with long matches and half
     # with none: their summed tokens pay for a wide step, but the rows without matches
     # stay behind and end the batch, so the harmonic mean of the rows' expected tokens
     # (time per row) plans a plain step; with six rows of eight matching, a narrower one
+    # (AdaptivePolicy(harmonic=True); the default, the weighted sum, drafts there)
     cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
     half = [0.95] * 4 + [0.02] * 4
-    assert plan_with(half, cpu, budget=48, waiting=False) == [0] * 8
-    assert plan_with(half, cpu, budget=48, waiting=False, harmonic=False) == [K] * 8
-    assert plan_with(half, cpu, budget=48, waiting=True) == [K] * 8  # a pool refills rows
-    assert plan_with([0.95] * 6 + [0.02] * 2, cpu, budget=48, waiting=False) == [2] * 8
+    assert plan_with(half, cpu, budget=48, waiting=False, harmonic=True) == [0] * 8
+    assert plan_with(half, cpu, budget=48, waiting=False) == [K] * 8
+    assert plan_with(half, cpu, budget=48, waiting=True, harmonic=True) == [K] * 8  # a pool refills rows
+    assert plan_with([0.95] * 6 + [0.02] * 2, cpu, budget=48, waiting=False,
+                     harmonic=True) == [2] * 8
     # every row alike, or a single row: the harmonic mean is the sum's choice
     for acc in ([0.95] * 8, [0.6] * 8, [0.95], [0.3]):
-        assert (plan_with(acc, cpu, budget=48, waiting=False)
-                == plan_with(acc, cpu, budget=48, waiting=False, harmonic=False))
+        assert (plan_with(acc, cpu, budget=48, waiting=False, harmonic=True)
+                == plan_with(acc, cpu, budget=48, waiting=False))
 
 
 def test_evidence_seen_a_few_times_pays_less_than_the_same_acceptance_proven():
