@@ -1213,7 +1213,8 @@ def state_history_flags(out, g, fin, budgets, rows, found, *, stops, consts: Con
     bad = g != pg
     tt = min(t, pout.shape[1])
     if tt:
-        bad = bad | ((out[:, :tt] != pout[:, :tt]) & (consts.row(tt, device) < pg[:, None])).any(dim=1)
+        changed = (out[:, :tt] != pout[:, :tt]) & (consts.row(tt, device) < pg[:, None])
+        bad = bad | changed.any(dim=1)
     return state | _found(bad, found)
 
 

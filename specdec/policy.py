@@ -55,8 +55,9 @@ step is plain decoding (width 1). (Optionally, ``AdaptivePolicy(harmonic=True)``
 no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
 takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
 default: its measurements were mixed, README ``### Per-row draft lengths``.) ``v_b`` is
-what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row that finishes early to the next; EQSPEC,
-which decodes in fixed groups, gets the weighting in its last group only), and once every
+what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row
+that finishes early to the next; EQSPEC, which decodes in fixed groups, gets the
+weighting in its last group only), and once every
 request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
 then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step
 is as wide for every row (the verify forward is rectangular),
@@ -426,13 +427,13 @@ class AdaptivePolicy(_PerRequest):
         (``expected``) and the rows' weights ``v`` [B, 1] (``weights``). While requests
         wait, the weighted sum of the rows' expected tokens (a pool refills a row that
         finishes early: tokens are what count), and so by default. Once none waits, with
-        ``drain`` and ``harmonic``, their weighted harmonic mean ``sum v / sum (v / E)``: the batch then ends
-        with its slowest row, and which row that is follows the rows' evidence (rows with
-        matches get ahead, rows without stay behind), so the return is one of time per
-        row, ``1 / E``, averaged, and a step pays only when most rows that count expect
-        more than a token from it. Every row alike (a batch of one; drafts with the same
-        acceptance for every row) gives what the weighted sum gives. A plain step is worth
-        ``sum v`` and 1 respectively."""
+        ``drain`` and ``harmonic``, their weighted harmonic mean ``sum v / sum (v / E)``:
+        the batch then ends with its slowest row, and which row that is follows the rows'
+        evidence (rows with matches get ahead, rows without stay behind), so the return is
+        one of time per row, ``1 / E``, averaged, and a step pays only when most rows that
+        count expect more than a token from it. Every row alike (a batch of one; drafts
+        with the same acceptance for every row) gives what the weighted sum gives. A plain
+        step is worth ``sum v`` and 1 respectively."""
         if self.waiting or not self.drain or not self.harmonic:
             return (e * v).sum(dim=0)
         return v.sum(dim=0) / (v / e).sum(dim=0).clamp(min=1e-30)

@@ -284,7 +284,8 @@ def test_with_the_harmonic_return_a_step_pays_through_most_rows_not_their_sum():
     half = [0.95] * 4 + [0.02] * 4
     assert plan_with(half, cpu, budget=48, waiting=False, harmonic=True) == [0] * 8
     assert plan_with(half, cpu, budget=48, waiting=False) == [K] * 8
-    assert plan_with(half, cpu, budget=48, waiting=True, harmonic=True) == [K] * 8  # a pool refills rows
+    # a pool refills rows
+    assert plan_with(half, cpu, budget=48, waiting=True, harmonic=True) == [K] * 8
     assert plan_with([0.95] * 6 + [0.02] * 2, cpu, budget=48, waiting=False,
                      harmonic=True) == [2] * 8
     # every row alike, or a single row: the harmonic mean is the sum's choice
