@@ -259,6 +259,10 @@ class Monitor(Checker):
     ``counts()`` after the run), a few tensor ops per commit view; off by default.
     """
 
+    #: the monitor never writes a view's tensors (an engine need not watch it for writes:
+    #: ``specdec.validation.watched``; its tests run it watched, every mode and strategy)
+    read_only = True
+
     def __init__(self, mode: str = "strict", *, raise_on_violation: bool = True,
                  run: dict | None = None, invariants=None, kv_atol: float | None = None,
                  kv_rtol: float | None = None,

@@ -53,7 +53,8 @@ Checks while decoding (``validation.py``): ``speculate`` checks each ``propose``
 (type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
 verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
 and raises ``ValueError``, so such a step's output is never returned); ``emit`` refuses a
-hook that writes to its view (``validation.HookWatch``, tensor version counters).
+hook that writes to its view (``validation.HookWatch``, tensor version counters), unless
+every hook declares ``read_only`` (``validation.watched``).
 """
 
 from __future__ import annotations
@@ -272,11 +273,13 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
               **({"sampling": ctx.sampling.as_dict()} if ctx.sampling is not None else {}),
               **(state.info() if state.info is not None else {})}, **extra)
-    watch = validation.HookWatch(view, batch.stores())
+    watch = validation.HookWatch(view, batch.stores()) if validation.watched(ctx.hooks) \
+        else None
     try:
         for hook in ctx.hooks:
             hook(phase, view)
-            watch.check(hook)
+            if watch is not None:
+                watch.check(hook)
     finally:
         state.stats.seconds["checks"] += time.perf_counter() - t0
 

@@ -38,7 +38,11 @@ What is checked while decoding (``checked_drafts``, ``HookWatch``):
   after each hook; a hook that wrote in place raises ``ValueError`` naming the hook and
   the tensor, unless it was declared with ``fault_injection(hook)`` (tests of the checker
   corrupt the state on purpose). Chosen over handing out copies or write-refusing tensor subclasses by cost
-  (``benchmarks/validation_overhead.py``). Not seen: writes through ``.data`` or
+  (``benchmarks/validation_overhead.py``). A hook whose ``read_only`` attribute is True
+  declares that it never writes its view (``invariants.Monitor`` does, and its tests run
+  it watched to prove it: ``tests/test_invariants_monitor.py``); when every hook of a run
+  declares it, the engine builds no watch (``watched``), which saves reading some 20
+  version counters twice per phase. Not seen: writes through ``.data`` or
   ``.numpy()`` (they bypass the counter) and writes to tensors created under
   ``torch.inference_mode`` (they keep no counter).
 """
@@ -400,6 +404,12 @@ VIEW_TENSORS = ("tokens", "valid", "positions", "lengths", "prompt_lengths", "bu
                 "generated", "finished", "row_ids", "output", "drafts", "draft_limit",
                 "predictions", "accepted", "committed", "generated_before")
 _view_tensors = operator.attrgetter(*VIEW_TENSORS)
+
+
+def watched(hooks) -> bool:
+    """Whether ``emit`` watches the hooks' writes: unless every hook declares
+    ``read_only = True`` (a promise its own tests keep, see above)."""
+    return not all(getattr(h, "read_only", False) is True for h in hooks)
 
 
 class HookWatch:

@@ -86,6 +86,23 @@ def test_no_false_alarm_with_few_drafts_and_early_stops(k):
     assert mon.check() == []
 
 
+@pytest.mark.parametrize("strategy", strategy_names())
+def test_the_monitor_never_writes_its_view(family, strategy):
+    """The Monitor declares ``read_only`` (the engine then does not watch it): run watched,
+    through a hook that declares nothing, every mode it has on every family and strategy
+    (deep on one family: it is slow), it writes none of the view's tensors or caches."""
+    target, _ = tiny_pair(family)
+    modes = ("fast", "strict", "deep") if family == "llama" else ("fast", "strict")
+    assert Monitor.read_only is True
+    for mode in modes:
+        mon = Monitor(mode)
+        watched = lambda phase, view, mon=mon: mon(phase, view)  # noqa: E731
+        specdec.generate(target, PROMPTS, drafter=make_drafter("scripted", family, target), k=K,
+                         batch_size=3, max_new_tokens=BUDGET, strategy=strategy,
+                         hooks=[watched])  # a write raises ValueError here
+        assert mon.check() == []
+
+
 def test_the_fixture_monitors_an_engine_run(invariants_monitor):
     target, _ = tiny_pair("qwen3")
     specdec.generate(target, PROMPTS, k=K, max_new_tokens=BUDGET, hooks=[invariants_monitor])

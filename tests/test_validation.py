@@ -218,6 +218,23 @@ def test_hooks_that_only_read_are_fine_and_inference_mode_still_decodes(target):
         assert specdec.generate(target, prompts, max_new_tokens=5, hooks=[reader]).sequences == want
 
 
+def test_the_engine_watches_every_hook_unless_all_declare_read_only(target, monkeypatch):
+    from invariants import Monitor
+
+    built = []
+    real = validation.HookWatch
+    monkeypatch.setattr(validation, "HookWatch",
+                        lambda view, stores=(): built.append(view.phase) or real(view, stores))
+    reader = lambda phase, view: None  # noqa: E731 declares nothing: watched
+    specdec.generate(target, [[5, 6, 7]], max_new_tokens=4, hooks=[Monitor("fast")])
+    assert built == []  # the Monitor declares read_only: no watch
+    specdec.generate(target, [[5, 6, 7]], max_new_tokens=4, hooks=[Monitor("fast"), reader])
+    assert built and set(built) <= {"prefill", "draft", "verify", "commit", "realign"}
+    liar = lambda phase, view: None  # noqa: E731
+    liar.read_only = "yes"  # only True counts
+    assert validation.watched([liar]) and not validation.watched([Monitor("fast")])
+
+
 def test_a_hook_writing_into_the_cache_is_named(target):
     def poke(phase, view):
         if phase == "verify":
