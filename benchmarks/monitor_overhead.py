@@ -31,11 +31,20 @@ run's (``same``). Then, from one extra run per configuration outside the
 timing, what the checker does per engine step: aten ops dispatched inside the hooks (and,
 after a "+", those of its ``check()`` per step: fast mode checks the views that waited
 there), and host reads, uploads and data-dependent shapes seen by ``invariants.testing``.
+``--replay N`` adds the steadiest figure of all, the Monitor alone: the views of one
+recorded run (a recording hook, ``read_only``) are replayed into a new Monitor N times,
+with no model between hooks, and each phase's thread CPU time, ``check()``'s and their
+total are taken as their minimum over the replays (each its own: the parts may sum to a
+little less than the total), per engine step, against the engine's own CPU
+time per step (the median of the ``none`` runs): what the Monitor's code costs, with
+the machine's noise mostly gone (a lower bound of its cost in a run, where the model's
+forwards evict what the hooks would find in the caches).
 ``--json`` writes everything. Exit status 1 when any configuration changed the tokens.
 
     python benchmarks/monitor_overhead.py                          # both settings, CPU
     python benchmarks/monitor_overhead.py --settings cheap --repeats 15
     python benchmarks/monitor_overhead.py --model llama-1b-random --device cuda --guard
+    python benchmarks/monitor_overhead.py --settings cheap --replay 30 --no-count
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specdec  # noqa: E402
 from invariants import Monitor, guard_model  # noqa: E402
 from invariants.testing import watch_hook  # noqa: E402
+from invariants.view import PHASES  # noqa: E402
 from specdec import drafters, models, prompts  # noqa: E402
 
 SETTINGS = ("cheap", "real")
@@ -180,14 +190,53 @@ def per_step_counts(config: str, target, ids, strategy: str, args) -> dict | Non
             "dynamic_shapes": total["dynamic_shape"]}
 
 
-def measure(setting: str, args) -> list[dict]:
+def replay_costs(target, ids, strategy: str, args, engine_cpu: float) -> list[dict]:
+    """The Monitor's own CPU time per engine step (fast and strict), from the views of one
+    recorded run replayed ``args.replay`` times (see the module docstring): per phase and
+    for ``check()``, microseconds per step (minimum over the replays), and their total
+    against ``engine_cpu``, the engine's CPU seconds per run with no hooks."""
+    views = []
+
+    def record(phase, view):
+        views.append((phase, view))
+
+    record.read_only = True  # it writes nothing: the engine need not watch it
+    res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
+                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                           strategy=strategy, hooks=[record], policy=args.policy)
+    steps = max(res.stats.steps, 1)
+    parts = [p for p in PHASES if any(p == q for q, _ in views)] + ["check"]
+    rows = []
+    for mode in ("fast", "strict"):
+        best = {}
+        for _ in range(args.replay):
+            mon = Monitor(mode)
+            spent = dict.fromkeys(parts, 0)
+            for phase, view in views:
+                t0 = time.thread_time_ns()
+                mon(phase, view)
+                spent[phase] += time.thread_time_ns() - t0
+            t0 = time.thread_time_ns()
+            mon.check()
+            spent["check"] += time.thread_time_ns() - t0
+            spent["total"] = sum(spent.values())
+            best = {k: min(best.get(k, x), x) for k, x in spent.items()}
+        rows.append({"strategy": strategy, "mode": mode, "replays": args.replay,
+                     "steps": steps, "views": len(views),
+                     "us_per_step": {k: x / steps / 1e3 for k, x in best.items()},
+                     "share_of_engine": best["total"] / 1e9 / max(engine_cpu, 1e-9)})
+    return rows
+
+
+def measure(setting: str, args) -> tuple[list[dict], list[dict]]:
+    """(a row per strategy and configuration, the replayed costs of ``--replay``)."""
     name, target, ids, device = load(setting, args)
     if setting == "cheap" or args.threads:
         torch.set_num_threads(1 if setting == "cheap" else args.threads)
     configs = ["none", "null-hook", "fast", "strict", "strict-phase"]
     configs += ["guard-fast", "guard-strict"] if args.guard else []
     configs += ["deep"] if args.deep else []
-    rows = []
+    rows, replays = [], []
     for strategy in args.strategies:
         for c in configs:  # warm-up: lazy initialisation stays out of every figure
             run_once(c, target, ids[:2], strategy, device, args, max_new=4)
@@ -225,10 +274,32 @@ def measure(setting: str, args) -> list[dict]:
             if args.count:
                 row.update(per_step_counts(c, target, ids, strategy, args) or {})
             rows.append(row)
+        if args.replay and setting == "cheap":
+            replays += [{"setting": setting, "model": name, **r}
+                        for r in replay_costs(target, ids, strategy, args, base_c)]
     del target
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return rows
+    return rows, replays
+
+
+def report_replays(replays: list[dict]) -> None:
+    """The ``--replay`` table: the Monitor's own CPU microseconds per engine step."""
+    if not replays:
+        return
+    cols = [p for p in (*PHASES, "check", "total")
+            if any(p in r["us_per_step"] for r in replays)]
+    print(f"the Monitor alone (--replay: one run's views replayed {replays[0]['replays']} "
+          f"times, thread CPU, each column its own minimum; us per engine step; share: the "
+          f"total against the engine's CPU time with no hooks)")
+    head = f"{'strategy':<8} {'mode':<7}" + "".join(f"{c:>9}" for c in cols) + f"{'share':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in replays:
+        us = r["us_per_step"]
+        print(f"{r['strategy']:<8} {r['mode']:<7}"
+              + "".join(f"{us[c]:>9.1f}" if c in us else f"{'-':>9}" for c in cols)
+              + f"{r['share_of_engine'] * 100:>7.1f}%")
 
 
 def report(rows: list[dict], args) -> None:
@@ -295,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-count", dest="count", action="store_false",
                     help="skip the untimed per-step op and transfer counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (real setting)")
+    ap.add_argument("--replay", type=int, default=0,
+                    help="cheap setting: also replay one run's views this many times into a "
+                         "new Monitor (fast, strict) and report its own CPU time per step")
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -302,15 +376,19 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown settings {bad}; expected some of {SETTINGS}")
     args.strategies = [s for s in args.strategies.split(",") if s]
-    rows = []
+    rows, replays = [], []
     for s in settings:
-        rows += measure(s, args)
+        got, again = measure(s, args)
+        rows += got
+        replays += again
     report(rows, args)
+    report_replays(replays)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {k: v for k, v in vars(args).items() if k != "json"}
         meta.update(torch=torch.__version__)
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows,
+                                               "replays": replays}, indent=2))
         print(f"wrote {args.json}")
     return 0 if all(r["identical"] for r in rows) else 1
 

@@ -133,9 +133,19 @@ def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, caps
     out = tmp_path / "mo.json"
     argv = ["--settings", "cheap,real", "--model", "tiny:qwen3", "--prompts", "3",
             "--strategies", "eqspec", "--max-new-tokens", "4", "--repeats", "1",
-            "--json", str(out)]
+            "--replay", "2", "--json", str(out)]
     assert mod.main(argv) == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    # --replay: the Monitor alone, per mode, a time for every phase the run had and check()
+    replays = data["replays"]
+    assert [(r["setting"], r["mode"]) for r in replays] == [("cheap", "fast"), ("cheap", "strict")]
+    for r in replays:
+        us = r["us_per_step"]
+        assert {"prefill", "draft", "verify", "commit", "check", "total"} <= us.keys()
+        # (each its own minimum: the best replay's total holds every part at least once)
+        assert us["total"] >= sum(x for k, x in us.items() if k != "total") * (1 - 1e-9)
+        assert us["verify"] > 0 and 0 < r["share_of_engine"] < 10
     got = {(r["setting"], r["config"]) for r in rows}
     assert got == {(s, c) for s in ("cheap", "real")
                    for c in ("none", "null-hook", "fast", "strict", "strict-phase")}
