@@ -79,8 +79,9 @@ row's flags; both tested against each view alone on adversarial views). On proba
 and once an engine was seen writing a view's tensors in place after its hook, the hook
 copies instead (``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
 cannot wait (another phase, shapes the fusion does not expect) is checked in its hook as
-before; once ``MAX_WAITING`` views wait, they are checked in the hook (device ops, no
-read), which bounds what a long run keeps.
+before; once ``MAX_WAITING`` views wait, or the tensors they keep alive reach
+``MAX_WAITING_BYTES``, they are checked in the hook (device ops, no read), which bounds
+what a long run keeps.
 KV provenance (I5-lite, ``provenance.py``) waits the same way in fast mode: the hook
 takes the target cache's fingerprints and a copy of the positions and masks they are
 checked against (10 aten ops at a verify view instead of 21), and ``check()`` checks
@@ -135,9 +136,13 @@ KV_PHASES = ("prefill", "verify", "realign")
 #: keeps references from this step on when it never did
 PROBATION_STEPS = 2
 
-#: fast mode: at most this many views wait with copies of their inputs; past it they are
-#: checked in the hook (device ops only, no read), which bounds the memory of a long run
-MAX_WAITING = 192
+#: fast mode: the views that wait are checked in a hook (device ops only, no read) once
+#: this many wait, or once the tensors they keep alive (the views' own, referenced, or
+#: the copies made on probation; ``rules.held_bytes``) reach ``MAX_WAITING_BYTES``: that
+#: bounds a long run's memory, while a short run of small views (the cheap setting's 64
+#: steps) waits whole for the read and is checked in one batch, not two
+MAX_WAITING = 1024
+MAX_WAITING_BYTES = 256 * 2**20
 
 
 #: the last sentence of a trace whose view's tensors changed between its hook and the read
@@ -330,6 +335,7 @@ class Monitor(Checker):
         # fast mode: fusions whose check waits for the read, (entry, mask index, fusion,
         # key, evidence) (``_settle``); and the last view's snapshot, for ``_advance``
         self._deferred: list = []
+        self._waiting_bytes = 0  # what the waiting checks keep alive (rules.held_bytes)
         self._snapshot = None
         # fast mode: the waiting checks of the last hook that kept references (``Refs``),
         # compared at the next hook: an engine that writes its views' tensors in place
@@ -377,7 +383,7 @@ class Monitor(Checker):
             if kv is not None:
                 kv.context["history_len"] = len(self._history)
                 self._pending.append(kv)
-        if len(self._deferred) >= MAX_WAITING:
+        if len(self._deferred) >= MAX_WAITING or self._waiting_bytes >= MAX_WAITING_BYTES:
             self._settle()
         if self.mode != "fast" and self._pending and (self.read_every == "phase"
                                                       or phase == "commit"):
@@ -504,6 +510,7 @@ class Monitor(Checker):
             "history_len": len(self._history), "seen": seen})
         for index, fusion, key, evidence in waiting:
             self._deferred.append((entry, index, fusion, key, evidence))
+            self._waiting_bytes += R.held_bytes(evidence)
             if isinstance(evidence, R.Refs):
                 self._last_refs.append(evidence)
         return entry
@@ -519,7 +526,7 @@ class Monitor(Checker):
         once, and put each one's [B] mask in its entry. A batch that raises is checked
         view by view; a view whose own check raises runs its groups one by one, on the
         view as it is now (the errors then say why, as at the hook)."""
-        items, self._deferred = self._deferred, []
+        items, self._deferred, self._waiting_bytes = self._deferred, [], 0
         self._last_refs = []
         by_key: dict = {}
         for entry, index, fusion, key, evidence in items:

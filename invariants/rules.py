@@ -1606,6 +1606,15 @@ class Refs:
         return tuple([t._version for t in self.tensors]) == self.versions
 
 
+def held_bytes(evidence) -> int:
+    """Bytes of the tensors a waiting check keeps alive: a ``Refs``' view tensors and the
+    monitor's own, or an evidence copy's fields (``numel * element_size`` each: a tensor
+    that views a larger storage counts as its view)."""
+    parts = evidence.tensors + evidence.own if isinstance(evidence, Refs) \
+        else tuple(vars(evidence).values())
+    return sum([t.nbytes for t in parts if isinstance(t, torch.Tensor)])
+
+
 def _refs(tensors: tuple, own: tuple, facts: tuple, size: int) -> Refs | None:
     try:  # an inference-mode tensor has no version counter: it waits as a copy
         return Refs(tensors, tuple([t._version for t in tensors]), own, facts, size)
@@ -1678,7 +1687,7 @@ def _side_by_side(widths: list, consts: Constants, device):
     """Where each column of views laid side by side (``cat`` along dim 1) comes from:
     (view index [S], the view's first column [V], its end [V], widths [V]), long; no
     upload (the widths are stacked from cached 0-dim constants: a monitor past
-    ``MAX_WAITING`` settles inside a hook)."""
+    ``MAX_WAITING`` or ``MAX_WAITING_BYTES`` settles inside a hook)."""
     wt = torch.stack([consts.scalar(w, device) for w in widths])
     total = sum(widths)
     cv = torch.repeat_interleave(torch.arange(len(widths), device=device), wt,

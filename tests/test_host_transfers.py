@@ -247,13 +247,20 @@ def test_sampling_runs_keep_the_checkers_transfer_free(mode):
 
 
 @pytest.mark.engine
-def test_views_that_wait_past_the_limit_are_checked_in_the_hook_without_transfers(monkeypatch):
-    """Fast mode checks waiting views inside a hook once ``MAX_WAITING`` wait (bounded
-    copies on a long run): still no read, upload or data-dependent shape in any hook, and
-    a fault is recorded as strict mode records it."""
+@pytest.mark.parametrize("bound, value", [("MAX_WAITING", 4), ("MAX_WAITING_BYTES", 2048)])
+def test_views_that_wait_past_the_limit_are_checked_in_the_hook_without_transfers(
+        monkeypatch, bound, value):
+    """Fast mode checks waiting views inside a hook once ``MAX_WAITING`` wait, or once
+    they keep ``MAX_WAITING_BYTES`` of tensors alive (bounded memory on a long run):
+    still no read, upload or data-dependent shape in any hook, and a fault is recorded as
+    strict mode records it."""
     from invariants import monitor as monitor_module
 
-    monkeypatch.setattr(monitor_module, "MAX_WAITING", 4)
+    monkeypatch.setattr(monitor_module, bound, value)
+    settles = []
+    real = monitor_module.Monitor._settle
+    monkeypatch.setattr(monitor_module.Monitor, "_settle",
+                        lambda self: settles.append(len(self._deferred)) or real(self))
     target, _ = tiny_pair("llama")
 
     def shift(phase, view):
@@ -270,3 +277,4 @@ def test_views_that_wait_past_the_limit_are_checked_in_the_hook_without_transfer
     found = [key(v) for v in fast.hook.check()]
     assert found and found == [key(v) for v in strict.check()]
     assert found[0][:3] == ("I3", 3, "realign")
+    assert len(settles) > 2  # (checked in hooks: the bound, not only the read, settled)
