@@ -97,7 +97,10 @@ beside them): fast mode 19-22 aten ops per step in the hooks plus 6-8 at ``check
 the rest of the run (main: 21%); strict unchanged, 117-119 ops per step, +38-42%,
 29-30%; building the views (a null hook) adds 4-6%. The targets of issue 12 (fast
 +10%, strict +25% over no hooks) are not met: what is left is Python per hook call
-(about 30 us at a draft view, 140 at a verify), not aten ops.
+(about 30 us at a draft view, 140 at a verify), not aten ops. Replayed alone
+(``--replay 20``: one run's views, no model between hooks), the Monitor's own code takes
+about 340 (EQSPEC) to 400 (holes) us per engine step in fast mode, 15-16% of the engine's
+CPU time with no hooks, and 560-590 us, 23-25%, in strict.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
