@@ -32,7 +32,8 @@ timing, what the checker does per engine step: aten ops dispatched inside the ho
 after a "+", those of its ``check()`` per step: fast mode checks the views that waited
 there), and host reads, uploads and data-dependent shapes seen by ``invariants.testing``.
 ``--replay N`` adds the steadiest figure of all, the Monitor alone: the views of one
-recorded run (a recording hook, ``read_only``) are replayed into a new Monitor N times,
+recorded run (a recording hook, ``read_only``, that keeps a copy of the cache slots KV
+provenance reads, since the caches change in place) are replayed into a new Monitor N times,
 with no model between hooks, and each phase's thread CPU time, ``check()``'s and their
 total are taken as their minimum over the replays (each its own: the parts may sum to a
 little less than the total), per engine step, against the engine's own CPU
@@ -50,6 +51,7 @@ forwards evict what the hooks would find in the caches).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -62,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants import Monitor, guard_model  # noqa: E402
+from invariants.provenance import cache_ends  # noqa: E402
 from invariants.testing import watch_hook  # noqa: E402
 from invariants.view import PHASES  # noqa: E402
 from specdec import drafters, models, prompts  # noqa: E402
@@ -198,7 +201,11 @@ def replay_costs(target, ids, strategy: str, args, engine_cpu: float) -> list[di
     views = []
 
     def record(phase, view):
-        views.append((phase, view))
+        # the caches change in place as the run goes on: a replayed view shows the ends
+        # KV provenance reads (layer 0's K, the last layer's V) as they were at its hook
+        views.append((phase, dataclasses.replace(
+            view, cache_tensors=_frozen(view.cache_tensors),
+            draft_cache_tensors=_frozen(view.draft_cache_tensors))))
 
     record.read_only = True  # it writes nothing: the engine need not watch it
     res = specdec.generate(target, ids, drafter=drafters.NGramDrafter(), k=args.k,
@@ -226,6 +233,18 @@ def replay_costs(target, ids, strategy: str, args, engine_cpu: float) -> list[di
                      "us_per_step": {k: x / steps / 1e3 for k, x in best.items()},
                      "share_of_engine": best["total"] / 1e9 / max(engine_cpu, 1e-9)})
     return rows
+
+
+def _frozen(get):
+    """A ``cache_tensors`` callable over copies of what KV provenance reads of ``get()``
+    now (one layer holding layer 0's K and the last layer's V), or None."""
+    if get is None:
+        return None
+    ends = cache_ends(get)
+    if ends is None:
+        return get
+    layers = [tuple(t.clone() for t in ends)]
+    return lambda: layers
 
 
 def measure(setting: str, args) -> tuple[list[dict], list[dict]]:

@@ -538,9 +538,10 @@ class Monitor(Checker):
                 self._unreferenced(entry, index, fusion, evidence)
                 continue
             # (by reference, views of one row count are laid side by side: a few ops for
-            # all of them, where rows of different counts are stacked view by view)
-            by_key.setdefault((fusion, key, refs, evidence.size if refs else None),
-                              []).append((entry, index, evidence))
+            # all of them, where rows of different counts are stacked view by view; a
+            # row-wise check takes every row count at once)
+            size = evidence.size if refs and not fusion.rowwise else None
+            by_key.setdefault((fusion, key, refs, size), []).append((entry, index, evidence))
         for (fusion, key, refs, _), members in by_key.items():
             stops = members[0][0].context["stops"]
             if refs:

@@ -124,6 +124,20 @@ def fingerprint(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return words(torch.cat([k, v], dim=1)).sum(dim=-1).sum(dim=1)
 
 
+def cache_ends(get, first: int = 0, last: int | None = None):
+    """(K of layer 0, V of the last layer), each head-major ``[B, H, q, D]``, over slots
+    ``first .. last - 1`` of the cache ``get()`` returns (a view's ``cache_tensors``; None
+    when it has no layer): what KV provenance fingerprints. A cache may give them itself
+    (``ends(first, last)``), in fewer view ops."""
+    layers = get()
+    ends = getattr(layers, "ends", None)
+    if ends is not None:
+        return ends(first, last)
+    if not layers:
+        return None
+    return layers[0][0][:, :, first:last], layers[-1][1][:, :, first:last]
+
+
 class Table:
     """The latest fingerprint recorded for each (request, position) of one cache.
 
@@ -242,19 +256,6 @@ class KVProvenance:
         self._forwards = 0
         self._replay = None  # (Table, items replayed, {id(item): [B, C] mismatches or None})
 
-    @staticmethod
-    def _ends(get, first: int = 0, last: int | None = None):
-        """(K of layer 0, V of the last layer), each head-major ``[B, H, q, D]``, over slots
-        ``first .. last - 1`` of the cache ``get()`` returns (None when it has no layer).
-        A cache may give them itself (``ends(first, last)``), in fewer view ops."""
-        layers = get()
-        ends = getattr(layers, "ends", None)
-        if ends is not None:
-            return ends(first, last)
-        if not layers:
-            return None
-        return layers[0][0][:, :, first:last], layers[-1][1][:, :, first:last]
-
     def _table(self, name: str, view: StepView) -> Table:
         t = self.tables.get(name)
         if t is None:
@@ -314,7 +315,7 @@ class KVProvenance:
         f = view.forward
         if phase in ("prefill", "verify") and target is not None and f is not None:
             first, q = f.cache_width, f.input_ids.shape[1]
-            kv = self._ends(target, 0, first + q)
+            kv = cache_ends(target, 0, first + q)
             if kv is not None and kv[0].shape[2] == first + q and q > 0:
                 fp = fingerprint(*kv)  # [B, first + q]: what the forward found, what it wrote
                 if self.defer:  # only the fingerprint now: the cache changes in place
@@ -330,7 +331,7 @@ class KVProvenance:
                 self.recorded["target"] += 1
         if phase in ("prefill", "draft") and draft is not None:
             first = 0 if phase == "prefill" else view.width - 1
-            kv = self._ends(draft, 0)
+            kv = cache_ends(draft, 0)
             c = kv[0].shape[2] if kv is not None else 0
             if c > first:
                 table = self._table("draft", view)

@@ -981,6 +981,9 @@ class Fusion:
     # and ``batch_refs(key, [Refs], consts, stops)`` -> per Refs its [B] bool flags
     refer: Callable | None = None
     batch_refs: Callable | None = None
+    # ``batch_refs`` checks row by row (its fields ``cat`` along the rows): views of any
+    # row counts share one call (else views are laid side by side, one call per row count)
+    rowwise: bool = False
 
 
 #: a coefficient that switches a constraint off (any count in a view is far below it)
@@ -1858,9 +1861,10 @@ FUSIONS = (
     Fusion(("I3.forward", "I4.mask"), _fused_forward_phase, forward_evidence, forward_batch,
            refer=forward_refer, batch_refs=forward_batch_refs),
     Fusion(("I6.state", "I6.history", "I6.commit"), _fused_commit_phase, commit_evidence,
-           commit_batch, snapshot=True, refer=commit_refer, batch_refs=commit_batch_refs),
+           commit_batch, snapshot=True, refer=commit_refer, batch_refs=commit_batch_refs,
+           rowwise=True),
     Fusion(("I6.state", "I6.history"), _fused_realign_state, state_evidence, state_batch,
-           refer=state_refer, batch_refs=state_batch_refs),
+           refer=state_refer, batch_refs=state_batch_refs, rowwise=True),
     Fusion(("I2.contiguous", "I3.positions", "I6.sequence"), _fused_contiguous_realign,
            realign_evidence, realign_batch, refer=realign_refer,
            batch_refs=realign_batch_refs),
