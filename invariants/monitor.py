@@ -147,6 +147,10 @@ PROBATION_STEPS = 2
 MAX_WAITING = 1024
 MAX_WAITING_BYTES = 256 * 2**20
 
+#: fast mode's read: views of one row count laid side by side in one call when at least
+#: this many share it (``_by_row_count``)
+SIDE_BY_SIDE = 4
+
 
 #: the last sentence of a trace whose view's tensors changed between its hook and the read
 #: that reported it (the rules are named, and the grid and state shown, from the tensors
@@ -241,6 +245,23 @@ class _Plan:
                     covered.update(x.groups)
             f = self.fusions[bits] = tuple(chosen)
         return f
+
+
+def _by_row_count(members: list, rowwise: bool) -> list:
+    """How the checks of one key that waited by reference are called: all at once when
+    the check is row by row (``Fusion.rowwise``); else the views of a row count that
+    ``SIDE_BY_SIDE`` or more share, laid side by side (a few ops for all of them), and
+    the rest in one call that stacks them view by view (a few ops each: a batch that
+    loses rows as they finish makes several row counts of one or two views each)."""
+    if rowwise:
+        return [members]
+    sizes = Counter(e.size for *_, e in members)
+    if len(sizes) == 1:
+        return [members]
+    big = [n for n, c in sizes.items() if c >= SIDE_BY_SIDE]
+    calls = [[m for m in members if m[2].size == n] for n in big]
+    rest = [m for m in members if sizes[m[2].size] < SIDE_BY_SIDE]
+    return calls + ([rest] if rest else [])
 
 
 def _picker(index: tuple):
@@ -537,15 +558,12 @@ class Monitor(Checker):
             if refs and not evidence.intact():
                 self._unreferenced(entry, index, fusion, evidence)
                 continue
-            # (by reference, views of one row count are laid side by side: a few ops for
-            # all of them, where rows of different counts are stacked view by view; a
-            # row-wise check takes every row count at once)
-            size = evidence.size if refs and not fusion.rowwise else None
-            by_key.setdefault((fusion, key, refs, size), []).append((entry, index, evidence))
-        for (fusion, key, refs, _), members in by_key.items():
+            by_key.setdefault((fusion, key, refs), []).append((entry, index, evidence))
+        for (fusion, key, refs), members in by_key.items():
             stops = members[0][0].context["stops"]
             if refs:
-                self._settle_refs(fusion, key, members, stops)
+                for part in _by_row_count(members, fusion.rowwise):
+                    self._settle_refs(fusion, key, part, stops)
                 continue
             try:
                 flags = fusion.batch(key, [e for _, _, e in members], self._consts, stops)

@@ -263,3 +263,23 @@ def test_a_trace_says_when_its_views_tensors_changed_before_the_read(mode):
     assert IN_PLACE_NOTE not in exact.trace["rules"]
     assert exact.trace["slots"] != v.trace["slots"]  # what the hook saw: slot -2, not -3
 
+
+
+def test_the_read_calls_each_waiting_kind_once_per_shared_row_count_and_once_for_the_rest():
+    """Views that waited by reference are checked in few calls: a row count shared by
+    ``SIDE_BY_SIDE`` views or more is laid side by side in one call; the views of rarer
+    row counts (a batch losing rows as they finish) share one more call; a row-wise check
+    (``Fusion.rowwise``) takes them all in one. Every view is in exactly one call."""
+    from types import SimpleNamespace
+
+    from invariants.monitor import SIDE_BY_SIDE, _by_row_count
+
+    sizes = [8] * SIDE_BY_SIDE + [7, 7] + [8] + [3] + [5] * SIDE_BY_SIDE
+    members = [(f"entry {i}", 0, SimpleNamespace(size=n)) for i, n in enumerate(sizes)]
+    calls = _by_row_count(members, rowwise=False)
+    assert sorted(m[0] for call in calls for m in call) == sorted(m[0] for m in members)
+    assert sorted(sorted({m[2].size for m in call}) for call in calls) == [[3, 7], [5], [8]]
+    assert sorted(m[2].size for m in calls[-1]) == [3, 7, 7]  # (the rare ones, stacked)
+    assert _by_row_count(members, rowwise=True) == [members]
+    same = members[:SIDE_BY_SIDE - 1]  # one row count, however few: side by side
+    assert _by_row_count(same, rowwise=False) == [same]
