@@ -53,8 +53,9 @@ of what the check reads (positions, valid, the forward's positions and mask, len
 request ids: one ``cat``; the engine may write its view's tensors in place after the
 hook), 10 aten ops at a verify view. At the read, the records' keys (request, position,
 time) are sorted once and each checked slot finds the latest record before it by a
-binary search; about 25 ops for the run, plus an index tensor per batch size laid out
-on the host (at ``check()``, not in a hook). ``detect`` flags a superset of the rows the
+binary search; about 25 ops for the run, plus two index tensors laid out on the host
+(at ``check()``, not in a hook) and two ops per forward over fewer rows than the most
+(its rows padded). ``detect`` flags a superset of the rows the
 table would flag (it forgets nothing and needs no admission); only a flagged view is
 replayed through the table in order (``exact``), so a report, and the first failing
 step and phase, are the hooks' own. Past ``MAX_DEFERRED`` forwards a run is replayed
@@ -493,8 +494,9 @@ def detect(forwards: list) -> dict:
     (its request, its position), every forward at once: the records' keys (request,
     position, time) sorted once, and one binary search per checked slot for the latest
     record before it. Where each slot's fields sit in the forwards' copies is laid out
-    on the host and uploaded, one small index tensor per batch size and kind (this runs
-    at ``check()``, outside the hooks), so that no op runs per forward.
+    on the host and uploaded, one small index tensor per kind (this runs at ``check()``,
+    outside the hooks), so that no op runs per forward, but for a forward over fewer
+    rows than the most, whose copies get zero rows (two ops).
 
     It flags every row the table of the hooks flags (``exact``): that table holds the
     same latest records, less those of requests it forgot (capacity) or started afresh
@@ -505,15 +507,11 @@ def detect(forwards: list) -> dict:
     keys flags every row of every forward, for ``exact`` to judge; so do two writes of
     one (request, position) by one forward (which the table keeps is not defined), and
     a forward of a shape it does not expect."""
-    out, blocks = {}, []
-    i = 0
-    while i < len(forwards):  # consecutive forwards of one batch size: one block
-        b = forwards[i].fp.shape[0]
-        j = i
-        while j < len(forwards) and forwards[j].fp.shape[0] == b:
-            j += 1
-        blocks.append((i, forwards[i:j], b))
-        i = j
+    out = {}
+    # every forward in one block of the most rows: a forward over fewer rows (its batch
+    # lost rows as they finished) gets zero rows, which flag, check and record nothing
+    # (their valid and mask columns are 0); its flags are its own rows'
+    blocks = [(0, forwards, max(f.fp.shape[0] for f in forwards))] if forwards else []
     anywhere = []
     qparts, rparts = [], []
     for start, block, b in blocks:
@@ -537,8 +535,8 @@ def detect(forwards: list) -> dict:
             at_fp += c + q
         if not fits:
             continue
-        copy = torch.cat([it.copy for _, it in fits], 1)
-        fp = torch.cat([it.fp for _, it in fits], 1)
+        copy = torch.cat([_rows(it.copy, b) for _, it in fits], 1)
+        fp = torch.cat([_rows(it.fp, b) for _, it in fits], 1)
         dev = fp.device
         for rows, into in zip(layout, (qparts, rparts)):
             desc = torch.tensor(rows, dtype=torch.long, device=dev)  # [forwards, 7]
@@ -582,11 +580,16 @@ def detect(forwards: list) -> dict:
         if anywhere is not None:
             rows = rows | anywhere
         for (_, it), r in zip(fits, rows.unbind(1)):
-            out[id(it)] = r
+            out[id(it)] = r if it.fp.shape[0] == b else r[: it.fp.shape[0]]
     for it in forwards:
         if id(it) not in out:  # a layout ``detect`` does not read: ``exact`` judges
             out[id(it)] = torch.ones(it.fp.shape[0], dtype=torch.bool, device=it.fp.device)
     return out
+
+
+def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
+    """``t`` [B', X] with zero rows appended up to ``b`` (``detect``'s block)."""
+    return t if t.shape[0] == b else torch.cat([t, t.new_zeros(b - t.shape[0], t.shape[1])])
 
 
 def describe(entry: Entry, rows: list, limit: int = 4):
