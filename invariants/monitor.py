@@ -74,8 +74,10 @@ the view's tensors with their ``_version``, and the commit's snapshot, which the
 keeps anyway) and the read (``check()``) checks every waiting view of one kind at once
 (``Fusion.batch_refs``: views of one row count laid side by side, one ``cat`` per field
 along the slots and an index from each column to its view, so no op runs per view;
-views of several row counts padded on the left with invalid slots, which changes no
-row's flags; both tested against each view alone on adversarial views). On probation,
+views of row counts that fewer than ``SIDE_BY_SIDE`` views share stacked in one more
+call, padded on the left with invalid slots, which changes no row's flags; a row-wise
+check, ``Fusion.rowwise``, takes every row count in one call; all tested against each
+view alone on adversarial views). On probation,
 and once an engine was seen writing a view's tensors in place after its hook, the hook
 copies instead (``Fusion.defer``, ``Fusion.batch``: one or two stacks per view). A view whose check
 cannot wait (another phase, shapes the fusion does not expect) is checked in its hook as
@@ -86,7 +88,8 @@ KV provenance (I5-lite, ``provenance.py``) waits the same way in fast mode: the 
 takes the target cache's fingerprints and a copy of the positions and masks they are
 checked against (10 aten ops at a verify view instead of 21), and ``check()`` checks
 every forward of the run at once (one sort of the records, one binary search per checked
-slot), replaying a flagged view through the hooks' table to report it.
+slot; forwards over fewer rows padded with inert zero rows), replaying a flagged view
+through the hooks' table to report it.
 Strict mode reads every step, so its fusions and its provenance table run in the hooks.
 
 Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1``,
