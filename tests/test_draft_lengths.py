@@ -382,6 +382,50 @@ def test_the_call_record_corrects_every_row_and_is_the_prior_of_each_rows():
         [(4 * call + 2) / (4 + 1.2), (4 * call + 0) / (4 + 0.6)])
 
 
+def load_throughput():
+    """benchmarks/throughput.py as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("throughput", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["throughput"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_policy_variants_set_adaptive_options_and_learn_on_their_own(tmp_path):
+    """``--policies adaptive:NAME=VALUE,..`` (benchmarks/throughput.py): an
+    ``AdaptivePolicy`` with those options on the configuration's own calibration (variants
+    never share what they learn), measured beside the others."""
+    import json
+
+    throughput = load_throughput()
+    assert throughput.policy_options("adaptive") == ("adaptive", {})
+    assert throughput.policy_options("adaptive:own=4,harmonic=1") == (
+        "adaptive", {"own": 4.0, "harmonic": True})
+    for bad, rule in (("greedy", "unknown policy"), ("fixed:own=1", "only adaptive takes"),
+                      ("adaptive:own", "NAME=VALUE"), ("adaptive:colour=2", "NAME=VALUE")):
+        with pytest.raises(SystemExit, match=rule):
+            throughput.policy_options(bad)
+    a = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
+    b = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
+    pa, pb = throughput.make_policy(a), throughput.make_policy(b)
+    assert pa.own == 4.0 and pa.calibration is not pb.calibration
+    assert throughput.make_policy(a).calibration is pa.calibration  # kept across its calls
+    assert throughput.make_policy(throughput.Config("spec", 8, "ngram", "eqspec", "fixed")) == "fixed"
+    argv = ["--model", "tiny:llama", "--prompts", "4", "--max-new-tokens", "6", "--batch-sizes",
+            "4", "--policies", "adaptive", "adaptive:own=4,own_call=8", "--k", "3",
+            "--out", str(tmp_path)]
+    assert throughput.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    names = {r["engine"]: r for r in rows}
+    assert set(names) >= {"eqspec/adaptive", "eqspec/adaptive:own=4,own_call=8"}
+    assert all(r["exact_match"] == 1.0 for r in rows)
+
+
 def test_the_budget_caps_the_expected_tokens():
     # one token left: no draft can be used, so drafting never pays
     assert plan_with([0.99, 0.99], [1.0, 1.01, 1.02, 1.03, 1.04], budget=2) == [0, 0]
