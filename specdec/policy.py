@@ -54,7 +54,11 @@ a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 
 step is plain decoding (width 1). (Optionally, ``AdaptivePolicy(harmonic=True)``: once
 no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
 takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
-default: its measurements were mixed, README ``### Per-row draft lengths``.) ``v_b`` is
+default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
+option, off by default: ``AdaptivePolicy(own=W)`` corrects the class acceptance by what
+each row's own drafts achieved in the call, ``own_factor``: accepted against what their
+classes expected, the class estimate worth ``W`` expected acceptances; ``own_call=C``
+the same over the whole call. On the device, no host read.) ``v_b`` is
 what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row
 that finishes early to the next; EQSPEC, which decodes in fixed groups, gets the
 weighting in its last group only), and once every
@@ -304,7 +308,11 @@ class AdaptivePolicy(_PerRequest):
     too little at batch 1, README ``### Per-row draft lengths``); ``harmonic``: once no
     request waits, a step's return is the rows' weighted harmonic mean of expected tokens
     (``value``; default False: their weighted sum, as while requests wait; True lifted
-    the kinds that barely draft but cost the kinds where drafts are best, README).
+    the kinds that barely draft but cost the kinds where drafts are best, README);
+    ``own``: the weight, in expected acceptances, of the class estimate against each
+    row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
+    measured within the noise of the default, README); ``own_call``: the same for the
+    call's record, every row's prior (default 0: none).
     """
 
     name = "adaptive"
