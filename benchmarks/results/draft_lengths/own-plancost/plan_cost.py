@@ -7,6 +7,9 @@ every variant must be equal (same=True). From the repository root, one torch thr
 
     PYTHONPATH=. python benchmarks/results/draft_lengths/own-plancost/plan_cost.py \
         '{}' '{"own": 3}' '{"own": 12}' '{"own": 3, "own_call": 8}'
+
+With ``--where VARIANT``: where in each SpecBench call the variant drafts (step:wWIDTHaA,
+A the drafts accepted over the batch), as in where.txt.
 """
 import json, math, sys, time
 import torch
@@ -23,6 +26,19 @@ class Fixed(policy.StepCosts):
 
 
 target, tok = models.default_model()
+if sys.argv[1] == "--where":
+    chosen = prompts.load_jsonl("benchmarks/specbench_sample.jsonl")
+    ids = prompts.encode(chosen, tok)
+    pol = policy.AdaptivePolicy(calibration=policy.Calibration(Fixed()), **json.loads(sys.argv[2]))
+    for kind in dict.fromkeys(p.kind for p in chosen):
+        sub = [ids[i] for i, p in enumerate(chosen) if p.kind == kind]
+        steps = []
+        specdec.generate(target, sub, drafter=drafters.NGramDrafter(), strategy="eqspec", k=4,
+                         batch_size=8, max_new_tokens=48, policy=pol, hooks=[
+                             lambda ph, v: steps.append((v.k, int(v.accepted.sum())))
+                             if ph == "commit" else None])
+        print(kind, " ".join(f"{i}:w{k + 1}a{a}" for i, (k, a) in enumerate(steps) if k))
+    sys.exit(0)
 sets = [("sb", prompts.load_jsonl("benchmarks/specbench_sample.jsonl")), ("bi", prompts.builtin_prompts())]
 variants = {v: dict(json.loads(v)) for v in sys.argv[1:]}
 out = {}
