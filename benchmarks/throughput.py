@@ -96,6 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specdec  # noqa: E402
 from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
 from specdec import Sampling, compiled, drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec import policy as policies  # noqa: E402
 from specdec.reference import hf_generate  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
 
@@ -129,6 +130,43 @@ def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
     if spec.startswith("scripted:"):
         return drafters.ScriptedDrafter(corrupt_for_acceptance(reference, float(spec.split(":")[1]), k, vocab))
     raise SystemExit(f"unknown drafter {spec!r}: ngram, model or scripted:P")
+
+
+#: AdaptivePolicy options a ``--policies adaptive:NAME=VALUE,..`` variant may set
+POLICY_OPTIONS = {"own": float, "own_call": float, "margin": float, "drain": float,
+                  "cautious": lambda v: bool(float(v)), "harmonic": lambda v: bool(float(v))}
+
+
+def policy_options(spec: str) -> tuple[str, dict]:
+    """'adaptive', 'fixed', or 'adaptive:NAME=VALUE,..' (``AdaptivePolicy`` options,
+    ``POLICY_OPTIONS``): 'adaptive:own=4' -> ('adaptive', {'own': 4.0})."""
+    name, _, arg = spec.partition(":")
+    if name not in policies.POLICIES:
+        raise SystemExit(f"unknown policy {spec!r}: one of {', '.join(policies.POLICIES)}")
+    if not arg:
+        return name, {}
+    if name != "adaptive":
+        raise SystemExit(f"policy {spec!r}: only adaptive takes options")
+    opts = {}
+    for item in arg.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in POLICY_OPTIONS:
+            raise SystemExit(f"policy {spec!r}: options are NAME=VALUE with NAME one of "
+                             f"{', '.join(POLICY_OPTIONS)}")
+        opts[key] = POLICY_OPTIONS[key](value)
+    return name, opts
+
+
+def make_policy(c: "Config"):
+    """The policy argument of ``c``: its name, or for a variant with options an
+    ``AdaptivePolicy`` on the configuration's own ``Calibration`` (kept across its calls,
+    as ``"adaptive"`` keeps the model's: variants never share what they learn)."""
+    name, opts = policy_options(c.policy or "adaptive")
+    if not opts:
+        return c.policy
+    if c.calibration is None:
+        c.calibration = policies.Calibration()
+    return policies.AdaptivePolicy(calibration=c.calibration, **opts)
 
 
 def strategy_options(spec: str) -> tuple[str, dict]:
@@ -198,6 +236,7 @@ class Config:
     sampling: Sampling | None = None  # the mode's parameters (None: greedy)
     compile: str | None = None  # specdec.compiled mode (None: eager)
     static: bool = False  # static shapes (specdec/static.py)
+    calibration: object = None  # a policy variant's own (make_policy)
     runs: list = field(default_factory=list)  # per (repeat, kind): measurements
 
     @property
@@ -252,7 +291,7 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
         if opts.get("window", c.batch_size) < c.batch_size:
             opts["window"] = c.batch_size
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
-                              batch_size=c.batch_size, max_new_tokens=new, policy=c.policy,
+                              batch_size=c.batch_size, max_new_tokens=new, policy=make_policy(c),
                               sampling=c.sampling, hooks=hooks, compile=c.compile,
                               static_shapes=c.static, **opts)
         seqs, stats = res.sequences, res.stats
@@ -436,8 +475,10 @@ def main(argv=None) -> int:
     ap.add_argument("--script-from", default="batch1", choices=("batch1", "batched"),
                     help="scripted drafts from batch-1 decoding (default) or from the plain "
                          "loop's batched output at the row's batch size")
-    ap.add_argument("--policies", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
-                    help="draft-length policies (default adaptive)")
+    ap.add_argument("--policies", nargs="+", default=["adaptive"],
+                    help="draft-length policies: adaptive (default), fixed, or an adaptive "
+                         "variant adaptive:NAME=VALUE,.. (AdaptivePolicy options: "
+                         f"{', '.join(POLICY_OPTIONS)}; its own calibration)")
     ap.add_argument("--modes", nargs="+", default=["greedy"], choices=MODES,
                     help="decoding modes, each next to the others (default greedy)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling modes (default 1)")
@@ -466,6 +507,8 @@ def main(argv=None) -> int:
             (out / "results.json").write_text(json.dumps(data, indent=2))
             plot(data["rows"], out)
         return 0
+    for pol in args.policies:  # a bad name fails before the model loads
+        policy_options(pol)
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = load_prompts(args.prompts, args.kinds)
@@ -527,6 +570,11 @@ def main(argv=None) -> int:
         opts.pop("window", None)  # the warm-up batch may be smaller than a given window
         engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=name, k=args.k,
                         batch_size=2, max_new_tokens=4, **opts)
+        for c in configs:  # a policy variant's own calibration gets the default's warm-up
+            if c.kind == "spec" and c.strategy == s and policy_options(c.policy)[1]:
+                engine.generate(target, ids[:2], drafter=drafters.NGramDrafter(), strategy=name,
+                                k=args.k, batch_size=2, max_new_tokens=4, policy=make_policy(c),
+                                **opts)
     if args.hf_lookup:
         hf_lookup_generate(target, ids[:1], 4, args.hf_lookup, stops)
     hf_generate(target, ids[:2], max_new_tokens=4, batch_size=2)

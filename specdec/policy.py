@@ -54,7 +54,11 @@ a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 
 step is plain decoding (width 1). (Optionally, ``AdaptivePolicy(harmonic=True)``: once
 no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
 takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
-default: its measurements were mixed, README ``### Per-row draft lengths``.) ``v_b`` is
+default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
+option, off by default: ``AdaptivePolicy(own=W)`` corrects the class acceptance by what
+each row's own drafts achieved in the call, ``own_factor``: accepted against what their
+classes expected, the class estimate worth ``W`` expected acceptances; ``own_call=C``
+the same over the whole call. On the device, no host read.) ``v_b`` is
 what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row
 that finishes early to the next; EQSPEC, which decodes in fixed groups, gets the
 weighting in its last group only), and once every
@@ -94,6 +98,8 @@ MEMORY = 32.0
 #: once no request waits, a row's committed tokens are worth (its remaining budget over the
 #: batch's most remaining) to this power: the batch ends with its slowest row
 DRAIN = 8.0
+#: the most a row's corrected acceptance per slot may reach (``AdaptivePolicy(own=...)``)
+OWN_CAP = 0.99
 
 
 class DraftPolicy(Protocol):
@@ -302,18 +308,25 @@ class AdaptivePolicy(_PerRequest):
     too little at batch 1, README ``### Per-row draft lengths``); ``harmonic``: once no
     request waits, a step's return is the rows' weighted harmonic mean of expected tokens
     (``value``; default False: their weighted sum, as while requests wait; True lifted
-    the kinds that barely draft but cost the kinds where drafts are best, README).
+    the kinds that barely draft but cost the kinds where drafts are best, README);
+    ``own``: the weight, in expected acceptances, of the class estimate against each
+    row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
+    measured within the noise of the default, README); ``own_call``: the same for the
+    call's record, every row's prior (default 0: none).
     """
 
     name = "adaptive"
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
-                 cautious: bool = False, harmonic: bool = False):
+                 cautious: bool = False, harmonic: bool = False, own: float = 0.0,
+                 own_call: float = 0.0):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
         self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
+        self.own = validation.number(own, "AdaptivePolicy own", 0, 1e6)
+        self.own_call = validation.number(own_call, "AdaptivePolicy own_call", 0, 1e6)
         self.cautious = bool(cautious)
         self.harmonic = bool(harmonic)
         self.calibration = calibration if calibration is not None else Calibration(costs)
@@ -328,6 +341,10 @@ class AdaptivePolicy(_PerRequest):
         super().begin(k, requests, device)
         # [N, k] long: evidence bucket of every slot of the request's next step
         self.bucket = torch.zeros(requests, max(k, 1), dtype=torch.long, device=device)
+        # [N] float each: every request's own record in this call, over the slots its
+        # drafts reached: drafts accepted, and drafts the class estimates expected accepted
+        self.row_hits = torch.zeros(requests, dtype=torch.float32, device=device)
+        self.row_expected = torch.zeros(requests, dtype=torch.float32, device=device)
         self.waiting = requests  # requests not admitted yet (host integer)
         self._stats_key = None  # re-read (and age) the calibration's acceptance
 
@@ -379,8 +396,15 @@ class AdaptivePolicy(_PerRequest):
         j = torch.arange(k_step, device=bucket.device)[None, :]
         a = spec.accepted[:, None]
         reached = (j < spec.limit[:, None]) & (j <= a)
+        hit = j < a
+        if self.own or self.own_call:  # the row's own record, against what its classes
+            # expected (before this step's counts join the class estimates)
+            rows = batch.row_ids
+            p = self.hits[bucket] / self.tries[bucket]  # [B, ks]
+            self.row_expected.index_add_(0, rows, (p * reached).sum(dim=1))
+            self.row_hits.index_add_(0, rows, hit.float().sum(dim=1))
         self.tries.index_add_(0, bucket.flatten(), reached.flatten().float())
-        self.hits.index_add_(0, bucket.flatten(), (j < a).flatten().float())
+        self.hits.index_add_(0, bucket.flatten(), hit.flatten().float())
 
     def expected(self, batch, features: torch.Tensor) -> torch.Tensor:
         """[B, k+1] float: ``E_b(j)``, expected tokens committed with ``j`` drafts (capped
@@ -393,10 +417,34 @@ class AdaptivePolicy(_PerRequest):
         p = self.hits[bucket] / tries
         if self.cautious:  # one standard error below the estimate: unproven evidence pays less
             p = (p - (p * (1 - p) / tries).sqrt()).clamp(min=0.0)
+        if self.own or self.own_call:  # corrected by what the row's own drafts achieved
+            p = (p * self.own_factor(batch)[:, None]).clamp(max=OWN_CAP)
         reach = torch.cumprod(p, dim=1)
         e = torch.cat([torch.ones_like(reach[:, :1]), 1 + torch.cumsum(reach, dim=1)], dim=1)
         usable = layout.draft_limit(layout.TORCH, k, batch.remaining)  # [B]
         return e.gather(1, torch.minimum(torch.arange(k + 1, device=e.device)[None, :], usable[:, None]))
+
+    def own_factor(self, batch) -> torch.Tensor:
+        """[B] float: how far each row's drafts did better (> 1) or worse (< 1) than their
+        evidence classes expected, shrunk toward 1: ``(own + accepted) / (own + expected)``
+        over the slots its drafts reached in this call (``expected``: the sum of the class
+        acceptance at each reached slot, as estimated when the step was verified). The
+        class estimate is the prior, worth ``own`` expected acceptances; the row's own
+        record the data (a Gamma posterior mean of the rate ratio). A row that never
+        drafted, or whose drafts did as their classes do, keeps the class estimate. With
+        ``own_call``, the call's record (every request of this ``generate`` call, the
+        same ratio with prior weight ``own_call``) corrects the class estimate first, and
+        is the prior of each row's (or, with ``own = 0``, every row's factor)."""
+        rows = batch.row_ids
+        hits = self.row_hits.index_select(0, rows)
+        expected = self.row_expected.index_select(0, rows)
+        base = 1.0
+        if self.own_call:  # [1]: the whole call's drafts against their classes
+            base = (self.own_call + self.row_hits.sum(0, keepdim=True)) / (
+                self.own_call + self.row_expected.sum(0, keepdim=True))
+            if not self.own:
+                return base.expand_as(hits)
+        return (self.own * base + hits) / (self.own + expected)
 
     def decide(self, batch, features: torch.Tensor) -> torch.Tensor:
         """[B] long: every row's next ``k_b`` from its evidence (device; finished rows 0);

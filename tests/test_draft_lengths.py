@@ -197,20 +197,22 @@ def test_without_the_batch_admitted_rows_start_plain():
 
 # -- the adaptive decision --------------------------------------------------------------------
 
-def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None,
-              generated=None, waiting: bool = True, seen: float = 1e6, **options):
-    """The adaptive plan for rows whose per-slot acceptance is ``acceptance[b]`` (one
-    evidence feature per row, counted ``seen`` times), with step costs ``ratios``
-    (r(w) = ratios[w - 1]); ``generated[b]``: tokens row b has committed (default 1 each);
-    ``waiting``: whether requests still wait for a row (else every request was admitted);
-    ``options``: ``AdaptivePolicy``'s."""
-    b = len(acceptance)
+def adaptive_at(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None,
+                generated=None, waiting: bool = True, seen: float = 1e6, features=None,
+                **options):
+    """(policy, batch, drafter) for rows whose per-slot acceptance is ``acceptance[f]`` for
+    evidence feature ``f`` (row b's feature: ``features[b]``, default b), counted ``seen``
+    times, with step costs ``ratios`` (r(w) = ratios[w - 1]); ``generated[b]``: tokens row b
+    has committed (default 1 each); ``waiting``: whether requests still wait for a row
+    (else every request was admitted); ``options``: ``AdaptivePolicy``'s."""
+    rows = list(range(len(acceptance))) if features is None else list(features)
+    b = len(rows)
 
     class OneFeaturePerRow:
         evidence_prior = tuple(acceptance)
 
         def evidence(self, batch, predictions, committed, k):
-            return torch.arange(b)[:, None].expand(b, k)
+            return torch.tensor(rows)[:, None].expand(b, k)
 
     costs = policy.StepCosts()
     costs.ratios = lambda rows, widths: list(ratios)[:widths]
@@ -228,13 +230,29 @@ def plan_with(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, 
                         finished=torch.tensor(finished or [False] * b), row_ids=torch.arange(b),
                         output=torch.zeros(b, budget + k + 1, dtype=torch.long),
                         target_cache=SlabCache(1, 8))
-    spec = phases.Spec(drafts=torch.zeros(b, 0, dtype=torch.long), limit=z, predictions=z[:, None],
-                       accepted=z, committed=z + 1)
     drafter = OneFeaturePerRow()
     pol._prepare(drafter, k, batch.device)
     pol.tries = pol.tries * seen / policy.PRIOR_WEIGHT  # the prior is the measured
     pol.hits = pol.hits * seen / policy.PRIOR_WEIGHT  # acceptance (no learning here)
-    return pol.plan(batch, spec, drafter, 0).tolist()
+    return pol, batch, drafter
+
+
+def step_result(batch, accepted: list[int], k_step: int):
+    """A ``Spec`` of a step of ``k_step`` drafts per row (each usable) in which row b
+    accepted ``accepted[b]`` of them."""
+    b = batch.batch_size
+    a = torch.tensor(accepted)
+    z = torch.zeros(b, dtype=torch.long)
+    return phases.Spec(drafts=torch.zeros(b, k_step, dtype=torch.long), limit=z + k_step,
+                       predictions=torch.zeros(b, k_step + 1, dtype=torch.long), accepted=a,
+                       committed=a + 1)
+
+
+def plan_with(acceptance: list[float], ratios, **options):
+    """The adaptive plan of ``adaptive_at(acceptance, ratios, **options)``'s rows after a
+    plain step (nothing learned)."""
+    pol, batch, drafter = adaptive_at(acceptance, ratios, **options)
+    return pol.plan(batch, step_result(batch, [0] * batch.batch_size, 0), drafter, 0).tolist()
 
 
 def test_rows_draft_only_where_their_expected_tokens_per_cost_beat_a_plain_step():
@@ -303,6 +321,111 @@ def test_evidence_seen_a_few_times_pays_less_than_the_same_acceptance_proven():
     assert set(plan_with([0.6] * 8, cpu, seen=4)) == {2}  # the default: the estimate itself
 
 
+def plan_after_own_record(accepted: int, *, steps: int = 6, acceptance: float = 0.6, **options):
+    """The plan of one row whose evidence class accepts ``acceptance`` per slot (proven over
+    many observations), after ``steps`` steps of 2 drafts in which it accepted
+    ``accepted`` of them each time."""
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    pol, batch, drafter = adaptive_at([acceptance], cpu, **options)
+    pol.plan(batch, step_result(batch, [0], 0), drafter, 0)  # the evidence of the first step
+    for _ in range(steps):
+        nxt = pol.plan(batch, step_result(batch, [accepted], 2), drafter, 2)
+    return nxt.tolist()
+
+
+def test_a_row_whose_own_drafts_fail_drafts_less_than_its_class_suggests():
+    # the class estimate (0.6 per slot) plans 2 drafts; with own=4 the row's own record
+    # corrects it: always rejected -> a plain step; always accepted -> the widest step
+    assert plan_after_own_record(0) == plan_after_own_record(2) == [2]  # default: no correction
+    assert plan_after_own_record(0, own=4) == [0]
+    assert plan_after_own_record(2, own=4) == [K]
+    # a row whose drafts did as their class expects keeps the class estimate
+    assert plan_after_own_record(1, acceptance=0.5, own=4) == plan_after_own_record(
+        1, acceptance=0.5)
+    # the prior weight: the more it is worth, the more of the row's record it takes
+    assert plan_after_own_record(0, steps=1, own=1000) == [2]
+
+
+def test_the_own_record_is_per_row_and_the_class_estimate_its_prior():
+    # two rows with the same evidence class: the one whose drafts were accepted expects
+    # more tokens from the same drafts than the one whose drafts were rejected
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    pol, batch, drafter = adaptive_at([0.6], cpu, features=[0, 0], own=4)
+    pol.plan(batch, step_result(batch, [0, 0], 0), drafter, 0)
+    assert pol.own_factor(batch).tolist() == [1.0, 1.0]  # no record: the class estimate
+    for _ in range(3):
+        pol.plan(batch, step_result(batch, [2, 0], 2), drafter, 2)
+    # row 0 reached 6 slots (3.6 expected accepted, 6 accepted), row 1 reached 3 (1.8
+    # expected, none accepted): (4 + 6) / (4 + 3.6) and 4 / (4 + 1.8)
+    assert pol.own_factor(batch).tolist() == pytest.approx([10 / 7.6, 4 / 5.8])
+    e = pol.expected(batch, drafter.evidence(batch, None, None, K))
+    assert (e[0, 1:] > e[1, 1:]).all() and e[:, 0].tolist() == [1.0, 1.0]
+    assert e[0, 1].item() == pytest.approx(1 + 0.6 * 10 / 7.6, rel=1e-3)
+    # a new call starts every row without a record
+    pol.begin(K, 3, torch.device("cpu"))
+    assert pol.row_hits.tolist() == pol.row_expected.tolist() == [0.0] * 3
+
+
+def test_the_call_record_corrects_every_row_and_is_the_prior_of_each_rows():
+    # own_call: the drafts of every row of the call against their classes; a row that has
+    # not drafted yet takes the call's factor, a row with a record shrinks toward it
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    pol, batch, drafter = adaptive_at([0.6], cpu, features=[0, 0], own_call=4)
+    pol.plan(batch, step_result(batch, [0, 0], 0), drafter, 0)
+    pol.plan(batch, step_result(batch, [0, 0], 2), drafter, 2)  # both reached 1 slot (0.6)
+    assert pol.own_factor(batch).tolist() == pytest.approx([4 / 5.2] * 2)
+    pol, batch, drafter = adaptive_at([0.6], cpu, features=[0, 0], own_call=4, own=4)
+    pol.plan(batch, step_result(batch, [0, 0], 0), drafter, 0)
+    pol.plan(batch, step_result(batch, [2, 0], 2), drafter, 2)  # 2 of 1.2 and 0 of 0.6
+    call = (4 + 2) / (4 + 1.8)
+    assert pol.own_factor(batch).tolist() == pytest.approx(
+        [(4 * call + 2) / (4 + 1.2), (4 * call + 0) / (4 + 0.6)])
+
+
+def load_throughput():
+    """benchmarks/throughput.py as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("throughput", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["throughput"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_policy_variants_set_adaptive_options_and_learn_on_their_own(tmp_path):
+    """``--policies adaptive:NAME=VALUE,..`` (benchmarks/throughput.py): an
+    ``AdaptivePolicy`` with those options on the configuration's own calibration (variants
+    never share what they learn), measured beside the others."""
+    import json
+
+    throughput = load_throughput()
+    assert throughput.policy_options("adaptive") == ("adaptive", {})
+    assert throughput.policy_options("adaptive:own=4,harmonic=1") == (
+        "adaptive", {"own": 4.0, "harmonic": True})
+    for bad, rule in (("greedy", "unknown policy"), ("fixed:own=1", "only adaptive takes"),
+                      ("adaptive:own", "NAME=VALUE"), ("adaptive:colour=2", "NAME=VALUE")):
+        with pytest.raises(SystemExit, match=rule):
+            throughput.policy_options(bad)
+    a = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
+    b = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
+    pa, pb = throughput.make_policy(a), throughput.make_policy(b)
+    assert pa.own == 4.0 and pa.calibration is not pb.calibration
+    assert throughput.make_policy(a).calibration is pa.calibration  # kept across its calls
+    assert throughput.make_policy(throughput.Config("spec", 8, "ngram", "eqspec", "fixed")) == "fixed"
+    argv = ["--model", "tiny:llama", "--prompts", "4", "--max-new-tokens", "6", "--batch-sizes",
+            "4", "--policies", "adaptive", "adaptive:own=4,own_call=8", "--k", "3",
+            "--out", str(tmp_path)]
+    assert throughput.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    names = {r["engine"]: r for r in rows}
+    assert set(names) >= {"eqspec/adaptive", "eqspec/adaptive:own=4,own_call=8"}
+    assert all(r["exact_match"] == 1.0 for r in rows)
+
+
 def test_the_budget_caps_the_expected_tokens():
     # one token left: no draft can be used, so drafting never pays
     assert plan_with([0.99, 0.99], [1.0, 1.01, 1.02, 1.03, 1.04], budget=2) == [0, 0]
@@ -351,10 +474,15 @@ def test_a_batch_size_without_a_measured_plain_step_gets_one():
     assert first[0] == first[1] > 0
 
 
-def adaptive_step():
-    """(ctx, state, batch, spec) after the first step's commit, with an AdaptivePolicy."""
+def adaptive_step(**options):
+    """(ctx, state, batch, spec) after the first step's commit, with an AdaptivePolicy
+    (``options``: its own; with any, a plain step is priced first and width is cheap, so
+    the policy drafts where the prompt quotes itself)."""
     target, _ = tiny_pair("llama")
-    pol = policy.AdaptivePolicy()
+    pol = policy.AdaptivePolicy(**options)
+    if options:
+        for w in range(1, K + 2):
+            pol.observe(w, 2, 0.1 + 0.001 * w)
     pol.begin(K, 2, torch.device("cpu"))
     ctx = phases.Context(target=target, drafter=drafters.NGramDrafter(), k=K, hooks=(),
                          stop_ids=torch.tensor([2]), max_position=255, policy=pol)
@@ -365,21 +493,24 @@ def adaptive_step():
     return ctx, state, batch, spec
 
 
-def test_the_adaptive_plan_reads_nothing_and_uploads_nothing():
+@pytest.mark.parametrize("options", [{}, {"own": 4.0}])
+def test_the_adaptive_plan_reads_nothing_and_uploads_nothing(options):
     # (the forward of a plain step itself reads the mask on the host inside transformers
     # 5.24, masking_utils._ignore_causal_mask_sdpa at q_length 1; not the policy's doing)
-    ctx, state, batch, spec = adaptive_step()
+    ctx, state, batch, spec = adaptive_step(**options)
     pol = ctx.policy
     with torch.no_grad():
         pol.plan(batch, spec, ctx.drafter, spec.k)  # the first plan sets up the statistics
         spec = phases.speculate(ctx, state, batch)
+        assert spec.k > 0 or not options  # with own: a drafting step, so its record is kept
         with no_host_transfers():  # no read, no upload, no data-dependent shape
             pol.plan(batch, spec, ctx.drafter, spec.k)
             pol.lengths(batch, K)
 
 
-def test_a_clean_adaptive_step_reads_the_host_once():
-    ctx, state, batch, spec = adaptive_step()
+@pytest.mark.parametrize("options", [{}, {"own": 4.0}])
+def test_a_clean_adaptive_step_reads_the_host_once(options):
+    ctx, state, batch, spec = adaptive_step(**options)
     with TransferLog(raise_on_transfer=False) as log:
         host = phases.sync(ctx, state, batch, spec)
     assert log.reads == 1, log.events
