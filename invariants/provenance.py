@@ -511,30 +511,28 @@ def detect(forwards: list) -> dict:
     # every forward in one block of the most rows: a forward over fewer rows (its batch
     # lost rows as they finished) gets zero rows, which flag, check and record nothing
     # (their valid and mask columns are 0); its flags are its own rows'
-    blocks = [(0, forwards, max(f.fp.shape[0] for f in forwards))] if forwards else []
+    b = max(f.fp.shape[0] for f in forwards)
     anywhere = []
     qparts, rparts = [], []
-    for start, block, b in blocks:
-        fits = [(start + n, it) for n, it in enumerate(block) if it.fits()]
-        # host-side layout, per forward and kind (its checked slots, its written slots):
-        # how many, where their positions, flags (valid, or the mask) and fingerprints
-        # start in the copies and fingerprints side by side, where its request id sits,
-        # its time (2 x forward, + 1 for the writes) and the least position the table
-        # cannot hold (``W + k + 1``: the table's own width is at least that)
-        layout = ([], [])
-        at_copy = at_fp = 0
-        for index, it in fits:
-            c, q = it.first, it.q
-            wp, wv, wq, wm = it.widths
-            limit = it.view.width + it.view.k + 1
-            rid = at_copy + wp + wv + wq + wm + 1
-            layout[0].append((c, at_copy, at_copy + wp, rid, at_fp, 2 * index, limit))
-            layout[1].append((q, at_copy + wp + wv, at_copy + wp + wv + wq + c, rid, at_fp + c,
-                              2 * index + 1, limit))
-            at_copy += wp + wv + wq + wm + 2
-            at_fp += c + q
-        if not fits:
-            continue
+    fits = [(n, it) for n, it in enumerate(forwards) if it.fits()]
+    # host-side layout, per forward and kind (its checked slots, its written slots):
+    # how many, where their positions, flags (valid, or the mask) and fingerprints
+    # start in the copies and fingerprints side by side, where its request id sits,
+    # its time (2 x forward, + 1 for the writes) and the least position the table
+    # cannot hold (``W + k + 1``: the table's own width is at least that)
+    layout = ([], [])
+    at_copy = at_fp = 0
+    for index, it in fits:
+        c, q = it.first, it.q
+        wp, wv, wq, wm = it.widths
+        limit = it.view.width + it.view.k + 1
+        rid = at_copy + wp + wv + wq + wm + 1
+        layout[0].append((c, at_copy, at_copy + wp, rid, at_fp, 2 * index, limit))
+        layout[1].append((q, at_copy + wp + wv, at_copy + wp + wv + wq + c, rid, at_fp + c,
+                          2 * index + 1, limit))
+        at_copy += wp + wv + wq + wm + 2
+        at_fp += c + q
+    if fits:
         copy = torch.cat([_rows(it.copy, b) for _, it in fits], 1)
         fp = torch.cat([_rows(it.fp, b) for _, it in fits], 1)
         dev = fp.device
