@@ -54,7 +54,7 @@ Checks while decoding (``validation.py``): ``speculate`` checks each ``propose``
 verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
 and raises ``ValueError``, so such a step's output is never returned); ``emit`` refuses a
 hook that writes to its view (``validation.HookWatch``, tensor version counters), unless
-every hook declares ``read_only`` (``validation.watched``).
+every hook declares ``read_only`` (``validation.watched``, ``Context.watch_hooks``).
 """
 
 from __future__ import annotations
@@ -189,8 +189,12 @@ class Context:
     # static shapes for decode and verify (``specdec/static.py``): verify widths 1 or k + 1,
     # bucketed key widths, forward inputs written into the run's ``State.buffers``
     static_shapes: bool = False
+    # whether ``emit`` watches the hooks for writes (``validation.watched``: derived from
+    # ``hooks``, once per run)
+    watch_hooks: bool = field(init=False, default=True)
 
     def __post_init__(self):
+        object.__setattr__(self, "watch_hooks", validation.watched(self.hooks))
         if not self.vocab:
             object.__setattr__(self, "vocab", vocab_size(self.target))
         if self.policy is None:
@@ -273,8 +277,7 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
               **({"sampling": ctx.sampling.as_dict()} if ctx.sampling is not None else {}),
               **(state.info() if state.info is not None else {})}, **extra)
-    watch = validation.HookWatch(view, batch.stores()) if validation.watched(ctx.hooks) \
-        else None
+    watch = validation.HookWatch(view, batch.stores()) if ctx.watch_hooks else None
     try:
         for hook in ctx.hooks:
             hook(phase, view)

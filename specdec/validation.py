@@ -40,7 +40,7 @@ What is checked while decoding (``checked_drafts``, ``HookWatch``):
   corrupt the state on purpose). Chosen over handing out copies or write-refusing tensor subclasses by cost
   (``benchmarks/validation_overhead.py``). A hook whose ``read_only`` attribute is True
   declares that it never writes its view (``invariants.Monitor`` does, and its tests run
-  it watched to prove it: ``tests/test_invariants_monitor.py``); when every hook of a run
+  it watched to prove it: ``tests/test_invariants_integration.py``); when every hook of a run
   declares it, the engine builds no watch (``watched``), which saves reading some 20
   version counters twice per phase. Not seen: writes through ``.data`` or
   ``.numpy()`` (they bypass the counter) and writes to tensors created under
