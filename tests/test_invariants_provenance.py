@@ -29,7 +29,7 @@ from invariants.testing import no_host_transfers, watch_hook
 from specdec import cache as cache_mod
 from specdec import drafters, models, mutants
 from specdec.validation import fault_injection
-from harness import run_case
+from harness import once_per_case, run_case
 from hyp_inputs import cases
 
 torch.set_num_threads(1)
@@ -178,7 +178,7 @@ SMALL = cases(families=("llama",), max_rows=3, max_budget=6, context=14, ks=(1, 
 
 def _shrunk(run, space):
     """The smallest case hypothesis finds where the strict Monitor reports a violation."""
-    return find(space, lambda c: bool(run(c, "strict")), settings=SEARCH)
+    return find(space, once_per_case(lambda c: bool(run(c, "strict"))), settings=SEARCH)
 
 
 def _report(name, strategy, case, found):

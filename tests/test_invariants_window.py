@@ -263,7 +263,7 @@ def test_fast_mode_checks_the_window_without_a_host_transfer():
 def test_the_inverted_holes_flag_is_found_and_shrunk_by_hypothesis():
     """Hypothesis searches holes-layout workloads on the sliding family for one where the
     Monitor alone (strict, recording) reports I4, and shrinks it; printed as a trace."""
-    from harness import run_case
+    from harness import once_per_case, run_case
     from hyp_inputs import cases
 
     space = cases(families=("mistral",), max_rows=3, max_budget=8, context=64, ks=(1, 2, 4),
@@ -275,7 +275,7 @@ def test_the_inverted_holes_flag_is_found_and_shrunk_by_hypothesis():
         out = run_case(case, mutant="holes_flag_inverted")
         return any(v.invariant == "I4" for v in out.violations)
 
-    case = find(space, caught, settings=settings(max_examples=40, derandomize=True, deadline=None,
+    case = find(space, once_per_case(caught), settings=settings(max_examples=40, derandomize=True, deadline=None,
                                                  database=None,
                                                  suppress_health_check=list(HealthCheck)))
     outcome = run_case(case, mutant="holes_flag_inverted")

@@ -14,7 +14,7 @@ from hypothesis.errors import NoSuchExample
 
 from specdec import mutants
 from specdec.forensics.known_bad import KNOWN_BAD
-from harness import outcome_failures, run_case
+from harness import once_per_case, outcome_failures, run_case
 from hyp_inputs import cases
 
 SEARCH = settings(max_examples=60, derandomize=True, deadline=None, database=None,
@@ -33,11 +33,14 @@ LARGER = {
 
 
 def shrink(run):
+    """``find``'s shrunk failing case, and after how many examples the first failure came
+    (each distinct case runs once: ``harness.once_per_case``)."""
     calls = {"n": 0, "first": None}
+    verdict = once_per_case(lambda case: bool(outcome_failures(run(case))))
 
     def fails(case):
         calls["n"] += 1
-        bad = bool(outcome_failures(run(case)))
+        bad = verdict(case)
         if bad and calls["first"] is None:
             calls["first"] = calls["n"]
         return bad
