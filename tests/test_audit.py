@@ -87,6 +87,32 @@ def test_audit_interleaves_the_engines_batch_by_batch_and_reports_the_spread(mon
     assert report.engines[0].speedup_spread == [1.0, 1.0]
 
 
+def test_audit_judges_against_a_given_reference_and_checks_its_shape():
+    """``reference_ids``: the audit judges the engines against the caller's batch-1 ids
+    (one decode fewer); ids that are not the reference make correct engines mismatch, and a
+    reference of the wrong shape is refused with the rule."""
+    import specdec
+    from specdec import models
+    from specdec.forensics import audit
+
+    target = models.tiny("llama")
+    ids = [[5 + i, 6, 7, 8 + i] for i in range(4)]
+    ref = specdec.reference_generate(target, ids, max_new_tokens=4)
+    report = audit.run_audit(target, None, ids, engines=["eqspec"], batch_size=4,
+                             max_new_tokens=4, reference_ids=ref)
+    assert report.reference_seconds == 0.0 and report.engines[0].exact_match == 1.0
+    wrong = [[(t + 1) % models.vocab_size(target) for t in r] for r in ref]
+    report = audit.run_audit(target, None, ids, engines=["eqspec"], batch_size=4,
+                             max_new_tokens=4, reference_ids=wrong)
+    assert report.engines[0].exact_match < 1.0
+    with pytest.raises(ValueError, match="one row per prompt: 3 rows for 4 prompts"):
+        audit.run_audit(target, None, ids, engines=["eqspec"], max_new_tokens=4,
+                        reference_ids=ref[:3])
+    with pytest.raises(ValueError, match="at most max_new_tokens=2 per row"):
+        audit.run_audit(target, None, ids, engines=["eqspec"], max_new_tokens=2,
+                        reference_ids=ref)
+
+
 @pytest.mark.real
 @pytest.mark.xdist_group("gemma3-270m")
 def test_audit_on_gemma3_past_its_window_is_clean_for_correct_engines(tmp_path, capsys):

@@ -39,6 +39,15 @@ def ids_of(tok, n):
     return prompts.encode(prompts.builtin_prompts()[:n], tok)
 
 
+@pytest.fixture(scope="module")
+def reference8(bf16):
+    """The first 8 prompts and their batch-1 greedy ids at 16 new tokens, decoded once for
+    the tests below (batch 1 in bf16 on a CPU: about a minute, the tests' largest cost)."""
+    model, tok = bf16
+    ids = ids_of(tok, 8)
+    return ids, specdec.reference_generate(model, ids, max_new_tokens=16)
+
+
 def assert_verdicts(report):
     """Correct engines: no desync, overrun, violation or error; known-bad: flagged."""
     print(report.header())
@@ -58,22 +67,20 @@ def test_the_model_computes_in_bfloat16(bf16):
     assert {p.dtype for p in model.parameters()} == {models.DTYPES["bfloat16"]}
 
 
-def test_8_prompts_correct_engines_give_no_desync(bf16):
+def test_8_prompts_correct_engines_give_no_desync(bf16, reference8):
     model, tok = bf16
-    ids = ids_of(tok, 8)
-    ref = specdec.reference_generate(model, ids, max_new_tokens=16)
+    ids, ref = reference8
     script = corrupted(ref, models.vocab_size(model), every=6)
     report = run_audit(model, tok, ids, engines=correct_names(), batch_size=8, k=4, max_new_tokens=16,
                        drafter_factory=lambda: drafters.ScriptedDrafter(script),
-                       drafter_name="scripted")
+                       drafter_name="scripted", reference_ids=ref)
     assert report.settings["dtype"] == "bfloat16" and "calibrated" in report.settings["oracle"]
     assert_verdicts(report)
 
 
-def broken_run(bf16, bug):
+def broken_run(bf16, reference8, bug):
     model, tok = bf16
-    ids = ids_of(tok, 8)
-    ref = specdec.reference_generate(model, ids, max_new_tokens=16)
+    ids, ref = reference8
     broken = broken_greedy(model, ids, max_new_tokens=16, stop_ids=models.stop_token_ids(model),
                            bug=bug)
     res = invariants.compare_outputs(model, ids, broken, ref, max_new_tokens=16, batch_size=8)
@@ -81,9 +88,9 @@ def broken_run(bf16, bug):
     return [i for i, (a, b) in enumerate(zip(broken, ref)) if a != b], res
 
 
-def test_8_prompts_a_broken_loop_is_a_desync(bf16):
+def test_8_prompts_a_broken_loop_is_a_desync(bf16, reference8):
     """Generated tokens drop out of the context: every row it changes is a desync."""
-    changed, res = broken_run(bf16, "history_masked")
+    changed, res = broken_run(bf16, reference8, "history_masked")
     assert len(changed) >= 6
     assert [r.row for r in res.desyncs] == changed
     for row in res.desyncs:
@@ -91,12 +98,12 @@ def test_8_prompts_a_broken_loop_is_a_desync(bf16):
 
 
 @pytest.mark.campaign
-def test_8_prompts_a_subtle_bug_is_flagged_where_it_leaves_the_noise(bf16):
+def test_8_prompts_a_subtle_bug_is_flagged_where_it_leaves_the_noise(bf16, reference8):
     """The first token (``<|im_start|>``) masked out moves SmolLM2's logits by about as
     much as bf16 rounding does: where that flips a token within the measured spread the
     row reads as a near-tie (a single row cannot tell), but the loop is still flagged by
     the rows where the flip lies beyond it (measured: 5 rows changed, 2 desyncs)."""
-    changed, res = broken_run(bf16, "first_token_masked")
+    changed, res = broken_run(bf16, reference8, "first_token_masked")
     assert changed and res.desyncs
     assert {r.row for r in res.desyncs} <= set(changed)
 

@@ -305,9 +305,14 @@ def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | Non
 def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch_size=8, k=4,
               max_new_tokens=32, drafter_factory=None, drafter_name="ngram", progress=None,
               report: Report | None = None, tolerance: float | None = None,
-              policy="adaptive", sampling=None) -> Report:
+              policy="adaptive", sampling=None, reference_ids=None) -> Report:
     """Run every engine in ``engines`` on ``ids``; fills and returns ``report``.
     ``tolerance``: the oracle's rule (None: calibrated; see ``invariants.equivalence``).
+    ``reference_ids``: the target's batch-1 greedy ids of every prompt, exactly what
+    ``specdec.reference_generate(target, ids, max_new_tokens=max_new_tokens)`` returns,
+    when the caller already computed them (a scripted drafter built on them, say): the
+    audit then judges against them instead of decoding the reference again
+    (``reference_seconds`` is then 0); None computes them here.
     ``sampling``: the parameters of the sampling engines (``specdec.Sampling``; its mode
     is set per engine; default ``Sampling()``).
 
@@ -340,8 +345,9 @@ def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch
     # request index of each prompt in its engine call (one call per batch: 0 .. b-1)
     requests = [r - rows[0] for rows in batches for r in rows]
     t0 = time.perf_counter()
-    ref = reference.reference_generate(target, ids, max_new_tokens=max_new_tokens, batch_size=1)
-    report.reference_seconds = time.perf_counter() - t0
+    ref = _given_reference(reference_ids, ids, max_new_tokens) if reference_ids is not None \
+        else reference.reference_generate(target, ids, max_new_tokens=max_new_tokens, batch_size=1)
+    report.reference_seconds = time.perf_counter() - t0 if reference_ids is None else 0.0
     coupled_ref = None
     if any(e.startswith("coupled:") for e in engines):  # the reference of coupled engines
         coupled_ref = [seq for rows in batches for seq in reference.reference_generate(
@@ -437,6 +443,20 @@ def _coverage(rep: EngineReport, run: "_EngineRun") -> None:
         rep.trigger = TRIGGER[rep.name]
         showed = rep.violations + rep.desyncs + rep.overruns > 0
         rep.exercised = rep.triggers[rep.trigger] > 0 or showed
+
+
+def _given_reference(reference_ids, ids, max_new_tokens: int) -> list:
+    """A caller's reference ids, checked for their shape: one list of at most
+    ``max_new_tokens`` ids per prompt."""
+    ref = [list(r) for r in reference_ids]
+    if len(ref) != len(ids):
+        raise ValueError(f"reference_ids must hold one row per prompt: {len(ref)} rows for "
+                         f"{len(ids)} prompts")
+    long = [i for i, r in enumerate(ref) if len(r) > max_new_tokens]
+    if long:
+        raise ValueError(f"reference_ids are generated ids only, at most max_new_tokens="
+                         f"{max_new_tokens} per row; rows {long[:8]} are longer")
+    return ref
 
 
 def _distribution_engine(rep: EngineReport, name: str, sampling, model_name: str) -> None:
