@@ -312,7 +312,18 @@ class AdaptivePolicy(_PerRequest):
     ``own``: the weight, in expected acceptances, of the class estimate against each
     row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
     measured within the noise of the default, README); ``own_call``: the same for the
-    call's record, every row's prior (default 0: none).
+    call's record, every row's prior (default 0: none). ``drain_margin``: the margin of
+    a step over more than one row once no request waits (default None: ``margin``); the
+    batch then ends with its slowest row, and a step's expected tokens, summed over
+    rows, overstate what it takes off the call when they land on rows other than the
+    slowest. The options priced for the floor (README ``### Per-row draft lengths``,
+    "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
+    first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
+    hold under half the weight must beat a plain step by this much more); ``memory``
+    (observations per class carried into a call, ``MEMORY``); ``slowest`` (once no
+    request waits, a step's return is the expected drop of the batch's most remaining
+    budget, ``slowest_value``); ``blend`` (between that and the rows' mean tokens, by
+    the call's share of rows whose evidence pays alone, to this power).
     """
 
     name = "adaptive"
@@ -321,11 +332,13 @@ class AdaptivePolicy(_PerRequest):
                  calibration: Calibration | None = None, drain: float = DRAIN,
                  cautious: bool = False, harmonic: bool = False, own: float = 0.0,
                  own_call: float = 0.0, shadow: bool = False, minority: float = 0.0,
-                 slowest: bool = False, blend: float = 0.0,
+                 slowest: bool = False, blend: float = 0.0, drain_margin: float | None = None,
                  memory: float = MEMORY):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
+        self.drain_margin = self.margin if drain_margin is None else validation.number(
+            drain_margin, "AdaptivePolicy drain_margin", 0, 10)
         self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
         self.own = validation.number(own, "AdaptivePolicy own", 0, 1e6)
         self.own_call = validation.number(own_call, "AdaptivePolicy own_call", 0, 1e6)
@@ -519,7 +532,8 @@ class AdaptivePolicy(_PerRequest):
         if self.minority:  # a width that most of the weight does not pay for alone must
             # beat a plain step by ``minority`` more
             alone = torch.stack([e[:, j] * scale[j] for j in range(k + 1)], dim=1) >= 1 + self.margin
-        scale[0] *= 1 + self.margin
+        several = not self.waiting and batch.batch_size > 1  # ends with its slowest row
+        scale[0] *= 1 + (self.drain_margin if several else self.margin)
         score = [total[j] * scale[j] for j in range(k + 1)]
         if self.minority:
             share = (v[:, None] * alone).sum(dim=0) / v.sum().clamp(min=1e-30)  # [k+1]

@@ -429,6 +429,32 @@ def test_with_minority_a_width_most_rows_do_not_pay_for_must_beat_plain_by_more(
     assert plan_with(most, cpu, minority=0.3) == plan_with(most, cpu)
 
 
+def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_drain_margin():
+    # 0.6 per slot on every row: 2 drafts return 1.96 tokens for 1.66 of cost, 18% more
+    # than a plain step; with drain_margin=0.4 that pays only while requests wait (tokens
+    # then free rows) or with one row left (no slower row to wait for)
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {0}
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=True, drain_margin=0.4)) == {2}
+    assert plan_with([0.6], cpu, budget=48, waiting=False, drain_margin=0.4) == [2]
+    # long matches on most rows still pay: 0.95 per slot returns 4.5 tokens for 2.23
+    assert set(plan_with([0.95] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {K}
+
+
+def test_with_slowest_a_step_pays_through_the_drop_of_the_most_remaining_budget():
+    # eight rows equally far from their end at 0.6 per slot: the most remaining budget
+    # drops by more than one only if all eight accept, so a plain step (the weighted
+    # sum drafts 2)...
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, slowest=True)) == {0}
+    # ...while the slowest row alone, the others far ahead, is worth its own tokens
+    ahead = dict(budget=48, generated=[1] + [12] * 7, waiting=False)
+    assert set(plan_with([0.95] + [0.02] * 7, cpu, slowest=True, **ahead)) == {K}
+    # a single row: its expected tokens
+    assert plan_with([0.6], cpu, budget=48, waiting=False, slowest=True) == [2]
+
+
 def load_throughput():
     """benchmarks/throughput.py as a module."""
     import importlib.util
