@@ -526,7 +526,8 @@ class AdaptivePolicy(_PerRequest):
             slow = self.slowest_value(batch, e)
             if self.blend:  # between the slowest row's drop and the rows' mean tokens
                 rho = (self.paying / self.plans.clamp(min=1)) ** self.blend
-                total = slow + rho * (total / v.sum().clamp(min=1e-30) - slow)
+                mean = (e * v[:, None]).sum(dim=0) / v.sum().clamp(min=1e-30)  # plain: 1
+                total = slow + rho * (mean - slow)
             else:
                 total = slow
         if self.minority:  # a width that most of the weight does not pay for alone must
@@ -562,8 +563,8 @@ class AdaptivePolicy(_PerRequest):
 
     def slowest_value(self, batch, e: torch.Tensor) -> torch.Tensor:
         """[k+1]: ``slowest``, once no request waits: the expected drop of the batch's most
-        remaining budget ``M`` with each number of drafts (a plain step: 1), the call's
-        remaining steps were every later step plain. With ``s_b = M - remaining_b`` (how
+        remaining budget ``M`` with each number of drafts (a plain step: 1): what the step
+        takes off the call's remaining steps if every later step is plain. With ``s_b = M - remaining_b`` (how
         far row b is ahead) and ``T_b`` its committed tokens, the drop is ``1 + sum_{t=1..j}
         prod_b P(T_b >= t + 1 - s_b)``, and ``P(T_b >= u) = E_b(u - 1) - E_b(u - 2)`` for
         ``u >= 2`` (1 below): the rows' outcomes independent, finished rows never the
