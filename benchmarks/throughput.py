@@ -134,7 +134,9 @@ def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
 
 #: AdaptivePolicy options a ``--policies adaptive:NAME=VALUE,..`` variant may set
 POLICY_OPTIONS = {"own": float, "own_call": float, "margin": float, "drain": float,
-                  "cautious": lambda v: bool(float(v)), "harmonic": lambda v: bool(float(v))}
+                  "cautious": lambda v: bool(float(v)), "harmonic": lambda v: bool(float(v)),
+                  "shadow": lambda v: bool(float(v)), "slowest": lambda v: bool(float(v)),
+                  "minority": float, "memory": float, "blend": float, "drain_margin": float}
 
 
 def policy_options(spec: str) -> tuple[str, dict]:

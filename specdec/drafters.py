@@ -198,11 +198,20 @@ class NGramDrafter:
                  k: int) -> torch.Tensor:
         """[B, k] long: the feature of every row's next drafts (the same for each slot),
         from the row's tokens after this step's commit."""
+        return self.evidence_drafts(batch, predictions, committed, k)[0]
+
+    @torch.no_grad()
+    def evidence_drafts(self, batch: RaggedBatch, predictions: torch.Tensor,
+                        committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``evidence``, [B] long: every row's first draft of its next step, as ``propose``
+        would make it), from one lookup: a policy that learns from plain steps too
+        (``AdaptivePolicy(shadow=True)``) compares that draft with the token the step
+        commits."""
         tokens, valid = batch.committed_context(predictions, committed)
-        _, length, agree = self.lookup(tokens, valid, k)
+        drafts, length, agree = self.lookup(tokens, valid, max(k, 1))
         cls = sum((length >= e).long() for e in self.LENGTH_EDGES)  # 0 .. len(edges)
         feature = cls * self.AGREEMENT_CLASSES + (agree - 1).clamp(0, self.AGREEMENT_CLASSES - 1)
-        return feature[:, None].expand(-1, k)
+        return feature[:, None].expand(-1, k), drafts[:, 0]
 
     def lookup(self, tokens: torch.Tensor, valid: torch.Tensor, k: int):
         """(drafts [B, k] long, match length [B] long (0: none), agreement [B] long) for

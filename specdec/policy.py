@@ -312,7 +312,18 @@ class AdaptivePolicy(_PerRequest):
     ``own``: the weight, in expected acceptances, of the class estimate against each
     row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
     measured within the noise of the default, README); ``own_call``: the same for the
-    call's record, every row's prior (default 0: none).
+    call's record, every row's prior (default 0: none). ``drain_margin``: the margin of
+    a step over more than one row once no request waits (default None: ``margin``); the
+    batch then ends with its slowest row, and a step's expected tokens, summed over
+    rows, overstate what it takes off the call when they land on rows other than the
+    slowest. The options priced for the floor (README ``### Per-row draft lengths``,
+    "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
+    first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
+    hold under half the weight must beat a plain step by this much more); ``memory``
+    (observations per class carried into a call, ``MEMORY``); ``slowest`` (once no
+    request waits, a step's return is the expected drop of the batch's most remaining
+    budget, ``slowest_value``); ``blend`` (between that and the rows' mean tokens, by
+    the call's share of rows whose evidence pays alone, to this power).
     """
 
     name = "adaptive"
@@ -320,13 +331,22 @@ class AdaptivePolicy(_PerRequest):
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
                  cautious: bool = False, harmonic: bool = False, own: float = 0.0,
-                 own_call: float = 0.0):
+                 own_call: float = 0.0, shadow: bool = False, minority: float = 0.0,
+                 slowest: bool = False, blend: float = 0.0, drain_margin: float | None = None,
+                 memory: float = MEMORY):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
+        self.drain_margin = self.margin if drain_margin is None else validation.number(
+            drain_margin, "AdaptivePolicy drain_margin", 0, 10)
         self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
         self.own = validation.number(own, "AdaptivePolicy own", 0, 1e6)
         self.own_call = validation.number(own_call, "AdaptivePolicy own_call", 0, 1e6)
+        self.minority = validation.number(minority, "AdaptivePolicy minority", 0, 10)
+        self.memory = validation.number(memory, "AdaptivePolicy memory", 1, 1e6)
+        self.shadow = bool(shadow)
+        self.slowest = bool(slowest)
+        self.blend = validation.number(blend, "AdaptivePolicy blend", 0, 64)
         self.cautious = bool(cautious)
         self.harmonic = bool(harmonic)
         self.calibration = calibration if calibration is not None else Calibration(costs)
@@ -345,6 +365,14 @@ class AdaptivePolicy(_PerRequest):
         # drafts reached: drafts accepted, and drafts the class estimates expected accepted
         self.row_hits = torch.zeros(requests, dtype=torch.float32, device=device)
         self.row_expected = torch.zeros(requests, dtype=torch.float32, device=device)
+        # [N] long, [N] bool: every request's first draft of its next step, had it one
+        # (``shadow``: a plain step's commit tells whether it would have been accepted)
+        self.first = torch.zeros(requests, dtype=torch.long, device=device)
+        self.has_first = torch.zeros(requests, dtype=torch.bool, device=device)
+        # [1] float each: over this call's plans, the summed share of active rows whose
+        # own evidence pays for some width alone, and the plans counted (``blend``)
+        self.paying = torch.zeros(1, dtype=torch.float32, device=device)
+        self.plans = torch.zeros(1, dtype=torch.float32, device=device)
         self.waiting = requests  # requests not admitted yet (host integer)
         self._stats_key = None  # re-read (and age) the calibration's acceptance
 
@@ -362,7 +390,7 @@ class AdaptivePolicy(_PerRequest):
             p0 = torch.tensor(prior, dtype=torch.float32).repeat_interleave(max(k, 1))
             kept = [torch.full_like(p0, PRIOR_WEIGHT), p0 * PRIOR_WEIGHT]  # [F * k] each
         tries, hits = (x.to(device) for x in kept)
-        age = (MEMORY / tries).clamp(max=1.0)
+        age = (self.memory / tries).clamp(max=1.0)
         self.tries, self.hits = tries * age, hits * age  # [F * k] each
         self.calibration.acceptance[key] = [self.tries, self.hits]  # learn() adds in place
 
@@ -385,12 +413,20 @@ class AdaptivePolicy(_PerRequest):
         evidence = getattr(drafter, "evidence", None)
         if evidence is None:
             return torch.zeros(batch.batch_size, self.k, dtype=torch.long, device=batch.device)
-        return evidence(batch, predictions, committed, self.k)
+        both = getattr(drafter, "evidence_drafts", None)
+        if not self.shadow or both is None:
+            return evidence(batch, predictions, committed, self.k)
+        features, first = both(batch, predictions, committed, self.k)
+        self.first.index_copy_(0, batch.row_ids, first)
+        self.has_first.index_copy_(0, batch.row_ids, ~batch.finished)
+        return features
 
     def learn(self, batch, spec, k_step: int) -> None:
         """Count, per (feature, slot) of this step's drafts, the slots reached (every
         earlier draft accepted, within the row's limit) and accepted."""
         if k_step == 0:
+            if self.shadow:
+                self.learn_plain(batch, spec)
             return
         bucket = self.bucket.index_select(0, batch.row_ids)[:, :k_step]  # [B, ks]
         j = torch.arange(k_step, device=bucket.device)[None, :]
@@ -405,6 +441,22 @@ class AdaptivePolicy(_PerRequest):
             self.row_hits.index_add_(0, rows, hit.float().sum(dim=1))
         self.tries.index_add_(0, bucket.flatten(), reached.flatten().float())
         self.hits.index_add_(0, bucket.flatten(), hit.flatten().float())
+
+    def learn_plain(self, batch, spec) -> None:
+        """``shadow``: a plain step counts too. The first draft each row would have
+        verified (``first``, from the drafter's ``evidence_drafts`` at the plan) is
+        accepted exactly when it equals the token the step committed, the target's
+        choice at the pending token: one observation of slot 0 of the row's evidence
+        class per row whose budget allowed a draft (as a drafting step's ``learn``
+        counts it), so that what a class earns on this call's prompts is measured on
+        every step, not only on the steps its estimate made the policy draft."""
+        rows = batch.row_ids
+        before = batch.remaining + spec.committed  # budget before this step
+        seen = self.has_first.index_select(0, rows) & (before > 1)  # [B]
+        hit = seen & (self.first.index_select(0, rows) == spec.predictions[:, 0])
+        slot0 = self.bucket.index_select(0, rows)[:, 0]  # [B]: its class at slot 0
+        self.tries.index_add_(0, slot0, seen.float())
+        self.hits.index_add_(0, slot0, hit.float())
 
     def expected(self, batch, features: torch.Tensor) -> torch.Tensor:
         """[B, k+1] float: ``E_b(j)``, expected tokens committed with ``j`` drafts (capped
@@ -463,9 +515,32 @@ class AdaptivePolicy(_PerRequest):
         # uses the step's w - 1 drafts (the verify forward is rectangular: once the step
         # is w wide, a row's drafts cost nothing more than its plain token), a plain step
         # given the margin
-        total = self.value(e, self.weights(batch)[:, None])  # [k+1]
-        scale[0] *= 1 + self.margin
-        width = torch.stack([total[j] * scale[j] for j in range(k + 1)]).argmax()  # w - 1
+        v = self.weights(batch)
+        total = self.value(e, v[:, None])  # [k+1]
+        if self.blend:  # how often this call's rows have evidence that pays alone
+            pays = torch.stack([e[:, j] * scale[j] for j in range(1, k + 1)], dim=1)
+            pays = ((pays >= 1 + self.margin).any(dim=1) & active).float()
+            self.paying += pays.sum() / active.sum().clamp(min=1)
+            self.plans += 1
+        if (self.slowest or self.blend) and not self.waiting:
+            slow = self.slowest_value(batch, e)
+            if self.blend:  # between the slowest row's drop and the rows' mean tokens
+                rho = (self.paying / self.plans.clamp(min=1)) ** self.blend
+                mean = (e * v[:, None]).sum(dim=0) / v.sum().clamp(min=1e-30)  # plain: 1
+                total = slow + rho * (mean - slow)
+            else:
+                total = slow
+        if self.minority:  # a width that most of the weight does not pay for alone must
+            # beat a plain step by ``minority`` more
+            alone = torch.stack([e[:, j] * scale[j] for j in range(k + 1)], dim=1) >= 1 + self.margin
+        several = not self.waiting and batch.batch_size > 1  # ends with its slowest row
+        scale[0] *= 1 + (self.drain_margin if several else self.margin)
+        score = [total[j] * scale[j] for j in range(k + 1)]
+        if self.minority:
+            share = (v[:, None] * alone).sum(dim=0) / v.sum().clamp(min=1e-30)  # [k+1]
+            strict = torch.where(share < 0.5, 1.0 / (1.0 + self.minority), 1.0)
+            score = [score[0]] + [score[j] * strict[j] for j in range(1, k + 1)]
+        width = torch.stack(score).argmax()  # w - 1
         nxt = torch.where(active, width, 0)
         self.next.index_copy_(0, batch.row_ids, nxt)
         return nxt
@@ -485,6 +560,25 @@ class AdaptivePolicy(_PerRequest):
         if self.waiting or not self.drain or not self.harmonic:
             return (e * v).sum(dim=0)
         return v.sum(dim=0) / (v / e).sum(dim=0).clamp(min=1e-30)
+
+    def slowest_value(self, batch, e: torch.Tensor) -> torch.Tensor:
+        """[k+1]: ``slowest``, once no request waits: the expected drop of the batch's most
+        remaining budget ``M`` with each number of drafts (a plain step: 1): what the step
+        takes off the call's remaining steps if every later step is plain. With ``s_b = M - remaining_b`` (how
+        far row b is ahead) and ``T_b`` its committed tokens, the drop is ``1 + sum_{t=1..j}
+        prod_b P(T_b >= t + 1 - s_b)``, and ``P(T_b >= u) = E_b(u - 1) - E_b(u - 2)`` for
+        ``u >= 2`` (1 below): the rows' outcomes independent, finished rows never the
+        slowest."""
+        k = self.k
+        active = ~batch.finished
+        left = torch.where(active, batch.remaining, -(1 << 30))  # [B]
+        ahead = (left.max() - left)[:, None]  # [B, 1]
+        t = torch.arange(1, k + 1, device=e.device)[None, :]  # [1, k]
+        inc = e[:, 1:] - e[:, :-1]  # [B, k]: P(T_b >= i + 2), i = 0 .. k-1
+        at = t - 1 - ahead  # [B, k]
+        g = torch.where(at < 0, 1.0, inc.gather(1, at.clamp(min=0, max=k - 1)))
+        h = g.prod(dim=0)  # [k]
+        return torch.cat([h.new_ones(1), 1 + torch.cumsum(h, dim=0)])
 
     def weights(self, batch) -> torch.Tensor:
         """[B] float: what a committed token of each row is worth to the step's choice.

@@ -382,6 +382,79 @@ def test_the_call_record_corrects_every_row_and_is_the_prior_of_each_rows():
         [(4 * call + 2) / (4 + 1.2), (4 * call + 0) / (4 + 0.6)])
 
 
+def test_with_shadow_a_plain_step_measures_its_rows_first_drafts():
+    # shadow: at a plain step the policy still knows each row's would-be first draft (the
+    # drafter's evidence_drafts) and the token the step committed; a first draft equal to
+    # it counts as an accepted slot 0 of the row's class, a different one as a rejected one
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+
+    def after_plain_steps(first: int, steps: int, **options):
+        pol, batch, drafter = adaptive_at([0.6, 0.6], cpu, seen=8, **options)
+        drafter.evidence_drafts = lambda batch, p, c, k: (
+            drafter.evidence(batch, p, c, k), torch.tensor([first, 3]))
+        plain = step_result(batch, [0, 0], 0)
+        plain.predictions[:] = 3  # the token each plain step commits
+        for _ in range(steps):
+            nxt = pol.plan(batch, plain, drafter, 0)
+        return (pytest.approx(pol.hits[0::K][:2].tolist()), pol.tries[0::K][:2].tolist(),
+                nxt.tolist())
+
+    # the rows' classes 0 and 1 start at 0.6 over 8 observations; the first plan only
+    # records the would-be drafts, each later plain step counts one slot-0 observation
+    assert after_plain_steps(3, 5, shadow=True)[:2] == ([8.8, 8.8], [12, 12])
+    assert after_plain_steps(9, 5, shadow=True)[:2] == ([4.8, 8.8], [12, 12])
+    # the default learns only from drafting steps
+    assert after_plain_steps(9, 5)[:2] == ([4.8, 4.8], [8, 8])
+    # both rows' drafts always rejected: their classes stop paying for width
+    pol, batch, drafter = adaptive_at([0.6, 0.6], cpu, seen=8, shadow=True)
+    drafter.evidence_drafts = lambda batch, p, c, k: (drafter.evidence(batch, p, c, k),
+                                                      torch.tensor([9, 9]))
+    plain = step_result(batch, [0, 0], 0)
+    assert pol.plan(batch, plain, drafter, 0).tolist() == [2, 2]
+    for _ in range(8):
+        nxt = pol.plan(batch, plain, drafter, 0)
+    assert nxt.tolist() == [0, 0]
+
+
+def test_with_minority_a_width_most_rows_do_not_pay_for_must_beat_plain_by_more():
+    # two rows of eight with long matches, six with weak ones: the summed tokens pay for
+    # width 3 by the margin, but the rows that pay for it alone hold a quarter of the
+    # weight, so with minority=0.3 the step must beat a plain step by 5% and 30% more
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    few = [0.9] * 2 + [0.45] * 6
+    assert set(plan_with(few, cpu)) == {2}
+    assert set(plan_with(few, cpu, minority=0.3)) == {0}
+    # when most rows pay alone the margin is the usual one
+    most = [0.9] * 6 + [0.1] * 2
+    assert plan_with(most, cpu, minority=0.3) == plan_with(most, cpu)
+
+
+def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_drain_margin():
+    # 0.6 per slot on every row: 2 drafts return 1.96 tokens for 1.66 of cost, 18% more
+    # than a plain step; with drain_margin=0.4 that pays only while requests wait (tokens
+    # then free rows) or with one row left (no slower row to wait for)
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {0}
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=True, drain_margin=0.4)) == {2}
+    assert plan_with([0.6], cpu, budget=48, waiting=False, drain_margin=0.4) == [2]
+    # long matches on most rows still pay: 0.95 per slot returns 4.5 tokens for 2.23
+    assert set(plan_with([0.95] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {K}
+
+
+def test_with_slowest_a_step_pays_through_the_drop_of_the_most_remaining_budget():
+    # eight rows equally far from their end at 0.6 per slot: the most remaining budget
+    # drops by more than one only if all eight accept, so a plain step (the weighted
+    # sum drafts 2)...
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, slowest=True)) == {0}
+    # ...while the slowest row alone, the others far ahead, is worth its own tokens
+    ahead = dict(budget=48, generated=[1] + [12] * 7, waiting=False)
+    assert set(plan_with([0.95] + [0.02] * 7, cpu, slowest=True, **ahead)) == {K}
+    # a single row: its expected tokens
+    assert plan_with([0.6], cpu, budget=48, waiting=False, slowest=True) == [2]
+
+
 def load_throughput():
     """benchmarks/throughput.py as a module."""
     import importlib.util
@@ -493,7 +566,7 @@ def adaptive_step(**options):
     return ctx, state, batch, spec
 
 
-@pytest.mark.parametrize("options", [{}, {"own": 4.0}])
+@pytest.mark.parametrize("options", [{}, {"own": 4.0}, {"shadow": True, "minority": 0.3, "blend": 1.0}])
 def test_the_adaptive_plan_reads_nothing_and_uploads_nothing(options):
     # (the forward of a plain step itself reads the mask on the host inside transformers
     # 5.24, masking_utils._ignore_causal_mask_sdpa at q_length 1; not the policy's doing)

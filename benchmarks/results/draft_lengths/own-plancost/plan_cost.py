@@ -2,8 +2,9 @@
 to the README's batch-8 width table (no timing noise in the decisions), its steps priced by
 that table, against plain decoding's steps (the longest output of each batch of 8). Every
 variant runs the SpecBench file's kinds, then the 48 built-in prompts' kinds, in that order,
-on its own calibration (carried from kind to kind, as the benchmark's is); the outputs of
-every variant must be equal (same=True). From the repository root, one torch thread:
+on its own calibration (carried from kind to kind, as the benchmark's is); its lines print
+as soon as it is priced, and its outputs must equal the first variant's of the same
+process (same=True). From the repository root, one torch thread:
 
     PYTHONPATH=. python benchmarks/results/draft_lengths/own-plancost/plan_cost.py \
         '{}' '{"own": 3}' '{"own": 12}' '{"own": 3, "own_call": 8}'
@@ -61,11 +62,12 @@ for name, opts in variants.items():
                                           seqs=res.sequences)
     out[name] = res_v
     print(name, f"{time.time() - t0:.0f}s", flush=True)
-base = next(iter(out.values()))
-for name, r in out.items():
+    r = res_v
+    base = next(iter(out.values()))
     same = all(r[k]["seqs"] == base[k]["seqs"] for k in r)
     for tag in ("sb", "bi"):
         ks = [k for k in r if k.startswith(tag)]
         g = math.exp(sum(math.log(r[k]["ratio"]) for k in ks) / len(ks))
         print(f"{name:40s} {tag} geo {g:.3f} low {min(r[k]['ratio'] for k in ks):.3f} same={same} | " +
-              "  ".join(f"{k.split(':')[1][:6]} {r[k]['ratio']:.3f} ({r[k]['drafting']}/{r[k]['steps']})" for k in ks))
+              "  ".join(f"{k.split(':')[1][:6]} {r[k]['ratio']:.3f} ({r[k]['drafting']}/{r[k]['steps']})" for k in ks),
+              flush=True)
