@@ -166,6 +166,10 @@ class NGramDrafter:
     """
 
     uses_cache = False
+    #: the evidence is known at every step, whether or not the row drafted (its match
+    #: length, from the row's own tokens): a policy that stops drafting still sees when a
+    #: long match appears (``specdec.policy``, ``drain_margin``)
+    standing_evidence = True
     #: match-length classes of the evidence: 0, 1, 2, 3-4, 5-7, 8+ tokens
     LENGTH_EDGES = (1, 2, 3, 5, 8)
     #: agreement classes: the continuation seen once, twice, three times or more

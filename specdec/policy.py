@@ -50,8 +50,12 @@ before per-row lengths), ``AdaptivePolicy`` (the default, ``policy="adaptive"``)
 From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
-a plain step (``sum_b v_b / r(1)``) by ``margin``; otherwise every row drafts 0 and the
-step is plain decoding (width 1). (Optionally, ``AdaptivePolicy(harmonic=True)``: once
+a plain step (``sum_b v_b / r(1)``) by ``margin`` (5%); otherwise every row drafts 0 and
+the step is plain decoding (width 1). Once no request waits and the step has several
+rows, a drafter whose evidence stands without drafting (``standing_evidence``: the n-gram
+drafter's match lengths) must beat it by ``drain_margin`` (``DRAIN_MARGIN``, 40%): the
+batch then ends with its slowest row, and marginal steps priced on the sum of the rows'
+tokens lost there (README ``### Per-row draft lengths``). (Optionally, ``AdaptivePolicy(harmonic=True)``: once
 no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
 takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
 default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
@@ -98,6 +102,10 @@ MEMORY = 32.0
 #: once no request waits, a row's committed tokens are worth (its remaining budget over the
 #: batch's most remaining) to this power: the batch ends with its slowest row
 DRAIN = 8.0
+#: once no request waits, how much a step over several rows must beat a plain step by,
+#: for a drafter whose evidence stands without drafting (``standing_evidence``); the
+#: others keep ``margin`` (``AdaptivePolicy``)
+DRAIN_MARGIN = 0.4
 #: the most a row's corrected acceptance per slot may reach (``AdaptivePolicy(own=...)``)
 OWN_CAP = 0.99
 
@@ -313,10 +321,16 @@ class AdaptivePolicy(_PerRequest):
     row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
     measured within the noise of the default, README); ``own_call``: the same for the
     call's record, every row's prior (default 0: none). ``drain_margin``: the margin of
-    a step over more than one row once no request waits (default None: ``margin``); the
-    batch then ends with its slowest row, and a step's expected tokens, summed over
-    rows, overstate what it takes off the call when they land on rows other than the
-    slowest. The options priced for the floor (README ``### Per-row draft lengths``,
+    a step over more than one row once no request waits (``DRAIN_MARGIN``, 0.4), for a
+    drafter whose evidence stands without drafting (its ``standing_evidence`` is True:
+    ``NGramDrafter``); the batch then ends with its slowest row, and a step's expected
+    tokens, summed over rows, overstate what it takes off the call when they land on rows
+    other than the slowest (or when the class estimate, learned on other prompts,
+    overrates a marginal match). Any other drafter keeps ``margin`` there: its evidence
+    is refreshed only by its own drafts (``ModelDrafter``'s confidence) or it has none
+    (``ScriptedDrafter``: one class, from the prior of 0.5), so a margin that stops it
+    drafting would stop it learning that its drafts are good. ``drain_margin=None``:
+    ``margin`` for every drafter (the default before). The options priced for the floor (README ``### Per-row draft lengths``,
     "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
     first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
     hold under half the weight must beat a plain step by this much more); ``memory``
@@ -332,8 +346,8 @@ class AdaptivePolicy(_PerRequest):
                  calibration: Calibration | None = None, drain: float = DRAIN,
                  cautious: bool = False, harmonic: bool = False, own: float = 0.0,
                  own_call: float = 0.0, shadow: bool = False, minority: float = 0.0,
-                 slowest: bool = False, blend: float = 0.0, drain_margin: float | None = None,
-                 memory: float = MEMORY):
+                 slowest: bool = False, blend: float = 0.0,
+                 drain_margin: float | None = DRAIN_MARGIN, memory: float = MEMORY):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
@@ -351,6 +365,7 @@ class AdaptivePolicy(_PerRequest):
         self.harmonic = bool(harmonic)
         self.calibration = calibration if calibration is not None else Calibration(costs)
         self._stats_key = None
+        self._standing = False  # the drafter's ``standing_evidence`` (``_prepare``)
 
     @property
     def costs(self) -> StepCosts:
@@ -385,6 +400,8 @@ class AdaptivePolicy(_PerRequest):
         if key == self._stats_key and self.tries.device == torch.device(device):
             return
         self._stats_key = key
+        # the drain margin applies to a drafter whose evidence stands without drafting
+        self._standing = bool(getattr(drafter, "standing_evidence", False))
         kept = self.calibration.acceptance.get(key)
         if kept is None:
             p0 = torch.tensor(prior, dtype=torch.float32).repeat_interleave(max(k, 1))
@@ -533,7 +550,8 @@ class AdaptivePolicy(_PerRequest):
         if self.minority:  # a width that most of the weight does not pay for alone must
             # beat a plain step by ``minority`` more
             alone = torch.stack([e[:, j] * scale[j] for j in range(k + 1)], dim=1) >= 1 + self.margin
-        several = not self.waiting and batch.batch_size > 1  # ends with its slowest row
+        # the batch ends with its slowest row (and the drafter sees its evidence anyway)
+        several = not self.waiting and batch.batch_size > 1 and self._standing
         scale[0] *= 1 + (self.drain_margin if several else self.margin)
         score = [total[j] * scale[j] for j in range(k + 1)]
         if self.minority:
