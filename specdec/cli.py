@@ -54,7 +54,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_int_option("batch size", 1), default=8,
                    help="rows decoded together (default 8)")
     p.add_argument("--max-new-tokens", type=_int_option("max new tokens", 1), default=64,
-                   help="new tokens per prompt (default 64)")
+                   help="new tokens per prompt (default %(default)s)")
     p.add_argument("--strategy", default="eqspec", choices=strategies.names())
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the models are cast to and compute in (default float32)")

@@ -296,3 +296,21 @@ def test_a_user_error_in_a_subprocess_has_no_traceback(argv, fragment):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_each_commands_help_states_its_own_default_budget(capsys):
+    # the audit decodes 32 new tokens by default (run_audit's default), generate 64: the
+    # shared --max-new-tokens option's help says which
+    import inspect
+
+    from specdec.forensics.audit import run_audit
+
+    want = {"audit": inspect.signature(run_audit).parameters["max_new_tokens"].default,
+            "generate": 64}
+    for command, default in want.items():
+        try:
+            assert cli.main([command, "--help"]) == 0
+        except SystemExit as e:
+            assert e.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"new tokens per prompt (default {default})" in text, command
