@@ -433,22 +433,21 @@ def test_with_minority_a_width_most_rows_do_not_pay_for_must_beat_plain_by_more(
 
 def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_drain_margin():
     # 0.6 per slot on every row: 2 drafts return 1.96 tokens for 1.66 of cost, 18% more
-    # than a plain step. For a drafter whose evidence stands without drafting (n-gram),
-    # the default drain margin (0.4) lets that pay only while requests wait (tokens then
-    # free rows) or with one row left (no slower row to wait for)
+    # than a plain step, which the default 5% margin takes. For a drafter whose evidence
+    # stands without drafting (n-gram), drain_margin=0.4 lets that pay only while requests
+    # wait (tokens then free rows) or with one row left (no slower row to wait for)
     cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
-    assert policy.AdaptivePolicy().drain_margin == policy.DRAIN_MARGIN == 0.4
-    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, standing=True)) == {0}
-    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=True, standing=True)) == {2}
-    assert plan_with([0.6], cpu, budget=48, waiting=False, standing=True) == [2]
+    assert policy.AdaptivePolicy().drain_margin == policy.AdaptivePolicy().margin == 0.05
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, standing=True)) == {2}
+    drain = dict(budget=48, standing=True, drain_margin=0.4)
+    assert set(plan_with([0.6] * 8, cpu, waiting=False, **drain)) == {0}
+    assert set(plan_with([0.6] * 8, cpu, waiting=True, **drain)) == {2}
+    assert plan_with([0.6], cpu, waiting=False, **drain) == [2]
     # long matches on most rows still pay: 0.95 per slot returns 4.5 tokens for 2.23
-    assert set(plan_with([0.95] * 8, cpu, budget=48, waiting=False, standing=True)) == {K}
+    assert set(plan_with([0.95] * 8, cpu, waiting=False, **drain)) == {K}
     # a drafter whose evidence needs its drafts (a draft model's confidence) or that has
     # none (scripted drafts) keeps the 5% margin: stopping would stop it learning
-    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False)) == {2}
-    # drain_margin=None: the margin for every drafter (the default before)
-    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, standing=True,
-                         drain_margin=None)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {2}
 
 
 def test_only_the_n_gram_drafter_declares_standing_evidence():
@@ -567,10 +566,9 @@ def test_a_batch_size_without_a_measured_plain_step_gets_one():
 def adaptive_step(**options):
     """(ctx, state, batch, spec) after the first step's commit, with an AdaptivePolicy
     (``options``: its own; with any, a plain step is priced first and width is cheap, so
-    the policy drafts where the prompt quotes itself: with the 5% margin, since both
-    requests are admitted at once and the drain margin would ask 40% of two rows)."""
+    the policy drafts where the prompt quotes itself)."""
     target, _ = tiny_pair("llama")
-    pol = policy.AdaptivePolicy(**({"drain_margin": None, **options} if options else {}))
+    pol = policy.AdaptivePolicy(**options)
     if options:
         for w in range(1, K + 2):
             pol.observe(w, 2, 0.1 + 0.001 * w)
