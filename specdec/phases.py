@@ -53,8 +53,9 @@ Checks while decoding (``validation.py``): ``speculate`` checks each ``propose``
 (type, dtype, device and shape at once; ids outside the vocabulary are clamped for the
 verify forward and flagged on the device; ``sync`` reads the flag with the step's one read
 and raises ``ValueError``, so such a step's output is never returned); ``emit`` refuses a
-hook that writes to its view (``validation.HookWatch``, tensor version counters), unless
-every hook declares ``read_only`` (``validation.watched``, ``Context.watch_hooks``).
+hook that writes to its view (``validation.HookWatch``, tensor version counters); when
+every hook declares ``read_only`` (``validation.watched``, ``Context.watch_hooks``), only
+in a run's first ``validation.WATCH_STEPS`` steps.
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ def emit(ctx: Context, state: State, phase: str, batch: RaggedBatch, **extra) ->
         info={"strategy": ctx.strategy, "batch_index": state.batch_index,
               **({"sampling": ctx.sampling.as_dict()} if ctx.sampling is not None else {}),
               **(state.info() if state.info is not None else {})}, **extra)
-    watch = validation.HookWatch(view, batch.stores()) if ctx.watch_hooks else None
+    watch = validation.HookWatch(view, batch.stores()) \
+        if ctx.watch_hooks or state.step < validation.WATCH_STEPS else None
     try:
         for hook in ctx.hooks:
             hook(phase, view)

@@ -41,8 +41,10 @@ What is checked while decoding (``checked_drafts``, ``HookWatch``):
   (``benchmarks/validation_overhead.py``). A hook whose ``read_only`` attribute is True
   declares that it never writes its view (``invariants.Monitor`` does, and its tests run
   it watched to prove it: ``tests/test_invariants_integration.py``); when every hook of a run
-  declares it, the engine builds no watch (``watched``), which saves reading some 20
-  version counters twice per phase. Not seen: writes through ``.data`` or
+  declares it, the engine builds no watch (``watched``) past the run's first
+  ``WATCH_STEPS`` steps, which saves reading some 20 version counters twice per phase;
+  those first steps are watched anyway, so a hook that declares it falsely and writes
+  there is named (one that writes only later is not seen). Not seen: writes through ``.data`` or
   ``.numpy()`` (they bypass the counter) and writes to tensors created under
   ``torch.inference_mode`` (they keep no counter).
 """
@@ -406,6 +408,10 @@ VIEW_TENSORS = ("tokens", "valid", "positions", "lengths", "prompt_lengths", "bu
 _view_tensors = operator.attrgetter(*VIEW_TENSORS)
 
 
+#: the first steps of a run watch every hook, even when all declare ``read_only``
+WATCH_STEPS = 2
+
+
 def watched(hooks) -> bool:
     """Whether ``emit`` watches the hooks' writes: unless every hook declares
     ``read_only = True`` (a promise its own tests keep, see above)."""
@@ -452,11 +458,13 @@ class HookWatch:
             named = dict(zip(map(id, self.tensors), self.names()))
             changed = [named[id(t)] for t in moved]
             name = getattr(hook, "__qualname__", None) or type(hook).__name__
+            liar = " (it declares read_only = True, which only a hook that never writes its " \
+                "view may declare)" if getattr(hook, "read_only", False) is True else ""
             raise ValueError(
                 f"hooks must not modify the view (it is the engine's state): hook {name} wrote "
                 f"in place to {', '.join('view.' + c for c in changed)} after the "
-                f"{self.view.phase} phase of step {self.view.step}; copy a tensor (.clone()) before "
-                "changing it (a hook that corrupts state on purpose declares it: "
+                f"{self.view.phase} phase of step {self.view.step}{liar}; copy a tensor (.clone()) "
+                "before changing it (a hook that corrupts state on purpose declares it: "
                 "specdec.validation.fault_injection(hook))")
 
 

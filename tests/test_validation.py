@@ -221,18 +221,39 @@ def test_hooks_that_only_read_are_fine_and_inference_mode_still_decodes(target):
 def test_the_engine_watches_every_hook_unless_all_declare_read_only(target, monkeypatch):
     from invariants import Monitor
 
-    built = []
+    watched, steps = [], []
     real = validation.HookWatch
     monkeypatch.setattr(validation, "HookWatch",
-                        lambda view, stores=(): built.append(view.phase) or real(view, stores))
-    reader = lambda phase, view: None  # noqa: E731 declares nothing: watched
-    specdec.generate(target, [[5, 6, 7]], max_new_tokens=4, hooks=[Monitor("fast")])
-    assert built == []  # the Monitor declares read_only: no watch
-    specdec.generate(target, [[5, 6, 7]], max_new_tokens=4, hooks=[Monitor("fast"), reader])
-    assert built and set(built) <= {"prefill", "draft", "verify", "commit", "realign"}
+                        lambda view, stores=(): watched.append(view.step) or real(view, stores))
+
+    def probe(phase, view):  # declares read_only (it never writes): records the steps
+        steps.append(view.step)
+
+    probe.read_only = True
+
+    def run(*hooks):
+        watched.clear(), steps.clear()
+        specdec.generate(target, [[5, 6, 7]], max_new_tokens=12, k=1, policy="fixed",
+                         hooks=list(hooks))
+
+    run(Monitor("fast"), probe)  # the Monitor declares read_only: the first steps only
+    assert watched and max(watched) < validation.WATCH_STEPS < max(steps)
+    run(Monitor("fast"), probe, lambda phase, view: None)  # one declares nothing: every step
+    assert max(watched) == max(steps)
     liar = lambda phase, view: None  # noqa: E731
     liar.read_only = "yes"  # only True counts
     assert validation.watched([liar]) and not validation.watched([Monitor("fast")])
+
+
+def test_a_hook_that_declares_read_only_falsely_is_named_in_the_first_steps(target):
+    def liar(phase, view):
+        if phase == "commit":
+            view.output.add_(0)  # a write that changes nothing still bumps the version
+
+    liar.read_only = True
+    with pytest.raises(ValueError, match=r"hook .*liar wrote in place to view.output after the "
+                                         r"commit phase of step 0 \(it declares read_only = True"):
+        specdec.generate(target, [[5, 6, 7]], max_new_tokens=4, hooks=[liar])
 
 
 def test_a_hook_writing_into_the_cache_is_named(target):
