@@ -55,9 +55,9 @@ the step is plain decoding (width 1). (An option, off by default: once no reques
 and the step has several rows, a drafter whose evidence stands without drafting
 (``standing_evidence``: the n-gram drafter's match lengths) must beat it by
 ``drain_margin``, e.g. 40%: the batch then ends with its slowest row, and marginal steps
-priced on the sum of the rows' tokens lose there; README ``### Per-row draft lengths``.) (Optionally, ``AdaptivePolicy(harmonic=True)``: once
-no request waits, the weighted harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))``
-takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
+priced on the sum of the rows' tokens lose there; README ``### Per-row draft lengths``.)
+(Optionally, ``AdaptivePolicy(harmonic=True)``: once no request waits, the weighted
+harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))`` takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
 default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
 option, off by default: ``AdaptivePolicy(own=W)`` corrects the class acceptance by what
 each row's own drafts achieved in the call, ``own_factor``: accepted against what their
@@ -327,8 +327,8 @@ class AdaptivePolicy(_PerRequest):
     (``ScriptedDrafter``: one class, from the prior of 0.5), so a margin that stops it
     drafting would stop it learning that its drafts are good. (0.4 lifts the priced
     floor from 0.920 to 0.981 but is not the default: a batch of eight prompts then
-    rarely drafts at all, README ``### Per-row draft lengths``.) The options priced for the floor (README ``### Per-row draft lengths``,
-    "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
+    rarely drafts at all, README ``### Per-row draft lengths``.) The options priced for
+    the floor (README ``### Per-row draft lengths``, "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
     first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
     hold under half the weight must beat a plain step by this much more); ``memory``
     (observations per class carried into a call, ``MEMORY``); ``slowest`` (once no

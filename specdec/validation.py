@@ -44,8 +44,8 @@ What is checked while decoding (``checked_drafts``, ``HookWatch``):
   declares it, the engine builds no watch (``watched``) past the run's first
   ``WATCH_STEPS`` steps, which saves reading some 20 version counters twice per phase;
   those first steps are watched anyway, so a hook that declares it falsely and writes
-  there is named (one that writes only later is not seen). Not seen: writes through ``.data`` or
-  ``.numpy()`` (they bypass the counter) and writes to tensors created under
+  there is named (one that writes only later is not seen). Not seen: writes through
+  ``.data`` or ``.numpy()`` (they bypass the counter) and writes to tensors created under
   ``torch.inference_mode`` (they keep no counter).
 """
 
