@@ -132,31 +132,13 @@ def make_drafter(spec: str, reference, k: int, vocab: int, draft_model):
     raise SystemExit(f"unknown drafter {spec!r}: ngram, model or scripted:P")
 
 
-#: AdaptivePolicy options a ``--policies adaptive:NAME=VALUE,..`` variant may set
-POLICY_OPTIONS = {"own": float, "own_call": float, "margin": float, "drain": float,
-                  "cautious": lambda v: bool(float(v)), "harmonic": lambda v: bool(float(v)),
-                  "shadow": lambda v: bool(float(v)), "slowest": lambda v: bool(float(v)),
-                  "minority": float, "memory": float, "blend": float, "drain_margin": float}
-
-
 def policy_options(spec: str) -> tuple[str, dict]:
     """'adaptive', 'fixed', or 'adaptive:NAME=VALUE,..' (``AdaptivePolicy`` options,
-    ``POLICY_OPTIONS``): 'adaptive:own=4' -> ('adaptive', {'own': 4.0})."""
-    name, _, arg = spec.partition(":")
-    if name not in policies.POLICIES:
-        raise SystemExit(f"unknown policy {spec!r}: one of {', '.join(policies.POLICIES)}")
-    if not arg:
-        return name, {}
-    if name != "adaptive":
-        raise SystemExit(f"policy {spec!r}: only adaptive takes options")
-    opts = {}
-    for item in arg.split(","):
-        key, eq, value = item.partition("=")
-        if not eq or key not in POLICY_OPTIONS:
-            raise SystemExit(f"policy {spec!r}: options are NAME=VALUE with NAME one of "
-                             f"{', '.join(POLICY_OPTIONS)}")
-        opts[key] = POLICY_OPTIONS[key](value)
-    return name, opts
+    ``specdec.policy.OPTIONS``): 'adaptive:own=4' -> ('adaptive', {'own': 4.0})."""
+    try:
+        return policies.parse(spec)
+    except ValueError as e:
+        raise SystemExit(f"unknown policy: {e}") from None
 
 
 def make_policy(c: "Config"):
@@ -480,7 +462,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", default=["adaptive"],
                     help="draft-length policies: adaptive (default), fixed, or an adaptive "
                          "variant adaptive:NAME=VALUE,.. (AdaptivePolicy options: "
-                         f"{', '.join(POLICY_OPTIONS)}; its own calibration)")
+                         f"{', '.join(policies.OPTIONS)}; its own calibration)")
     ap.add_argument("--modes", nargs="+", default=["greedy"], choices=MODES,
                     help="decoding modes, each next to the others (default greedy)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling modes (default 1)")

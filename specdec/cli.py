@@ -26,6 +26,20 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _policy_option(text: str) -> str:
+    """An argparse type: a policy string (``specdec.policy.parse``), kept as given."""
+    from .policy import parse
+
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
+_policy_option.__name__ = "policy"
+
+
 def _int_option(name: str, minimum: int):
     """An argparse type: an integer >= minimum, with the rule in the message."""
     from .validation import integer
@@ -58,9 +72,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="eqspec", choices=strategies.names())
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the models are cast to and compute in (default float32)")
-    p.add_argument("--policy", default="adaptive", choices=("adaptive", "fixed"),
-                   help="draft lengths per row and step: adaptive (default: draft where it "
-                        "pays) or fixed (every row drafts k)")
+    p.add_argument("--policy", default="adaptive", type=_policy_option,
+                   help="draft lengths per row and step: adaptive (draft where it pays), "
+                        "adaptive:NAME=VALUE,.. (its options, specdec.policy.OPTIONS) or "
+                        "fixed (every row drafts k); default %(default)s")
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed", "sampling_mode")
@@ -295,7 +310,8 @@ def main(argv=None) -> int:
     _add_sampling_options(a, "the parameters of the sampling engines (coupled:*, rejection:* "
                              "and the known-bad sampling engines; the mode is each engine's own)",
                           mode=False)
-    a.set_defaults(func=cmd_audit, max_new_tokens=32)
+    from .forensics.audit import POLICY  # the audit exercises its engines' drafting
+    a.set_defaults(func=cmd_audit, max_new_tokens=32, policy=POLICY)
 
     r = sub.add_parser("replay", help="re-run a saved violation trace (or a z3 counterexample)")
     r.add_argument("trace", help="TRACE.json written by InvariantViolation.save or python -m proofs --save-trace")

@@ -51,11 +51,11 @@ From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
 a plain step (``sum_b v_b / r(1)``) by ``margin`` (5%); otherwise every row drafts 0 and
-the step is plain decoding (width 1). (An option, off by default: once no request waits
-and the step has several rows, a drafter whose evidence stands without drafting
-(``standing_evidence``: the n-gram drafter's match lengths) must beat it by
-``drain_margin``, e.g. 40%: the batch then ends with its slowest row, and marginal steps
-priced on the sum of the rows' tokens lose there; README ``### Per-row draft lengths``.)
+the step is plain decoding (width 1). Once no request waits and the step has several
+rows, a drafter whose evidence stands without drafting (``standing_evidence``: the n-gram
+drafter's match lengths) must beat it by ``drain_margin`` (``DRAIN_MARGIN``, 40%): the
+batch then ends with its slowest row, and marginal steps priced on the sum of the rows'
+tokens lose there (README ``### Per-row draft lengths``).
 (Optionally, ``AdaptivePolicy(harmonic=True)``: once no request waits, the weighted
 harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))`` takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
 default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
@@ -102,6 +102,10 @@ MEMORY = 32.0
 #: once no request waits, a row's committed tokens are worth (its remaining budget over the
 #: batch's most remaining) to this power: the batch ends with its slowest row
 DRAIN = 8.0
+#: once no request waits, how much a step over several rows must beat a plain step for a
+#: drafter whose evidence stands without drafting (``standing_evidence``: the n-gram
+#: drafter); the batch ends with its slowest row (``AdaptivePolicy(drain_margin=...)``)
+DRAIN_MARGIN = 0.4
 #: the most a row's corrected acceptance per slot may reach (``AdaptivePolicy(own=...)``)
 OWN_CAP = 0.99
 
@@ -317,17 +321,19 @@ class AdaptivePolicy(_PerRequest):
     row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
     measured within the noise of the default, README); ``own_call``: the same for the
     call's record, every row's prior (default 0: none). ``drain_margin``: the margin of
-    a step over more than one row once no request waits (default None: ``margin``), for
-    a drafter whose evidence stands without drafting (its ``standing_evidence`` is True:
-    ``NGramDrafter``); the batch then ends with its slowest row, and a step's expected
-    tokens, summed over rows, overstate what it takes off the call when they land on rows
-    other than the slowest (or when the class estimate, learned on other prompts,
-    overrates a marginal match). Any other drafter keeps ``margin`` there: its evidence
-    is refreshed only by its own drafts (``ModelDrafter``'s confidence) or it has none
-    (``ScriptedDrafter``: one class, from the prior of 0.5), so a margin that stops it
-    drafting would stop it learning that its drafts are good. (0.4 lifts the priced
-    floor from 0.920 to 0.981 but is not the default: a batch of eight prompts then
-    rarely drafts at all, README ``### Per-row draft lengths``.) The options priced for
+    a step over more than one row once no request waits (default ``DRAIN_MARGIN``, 0.4),
+    for a drafter whose evidence stands without drafting (its ``standing_evidence`` is
+    True: ``NGramDrafter``); the batch then ends with its slowest row, and a step's
+    expected tokens, summed over rows, overstate what it takes off the call when they
+    land on rows other than the slowest (or when the class estimate, learned on other
+    prompts, overrates a marginal match). Any other drafter keeps ``margin`` there: its
+    evidence is refreshed only by its own drafts (``ModelDrafter``'s confidence) or it
+    has none (``ScriptedDrafter``: one class, from the prior of 0.5), so a margin that
+    stops it drafting would stop it learning that its drafts are good. (0.4 lifted the
+    priced floor over prompt kinds from 0.920 to 0.981; a call of one batch of prompts
+    that quote little then drafts nothing, which is why ``specdec audit``, which must
+    exercise its engines, asks for ``"adaptive:drain_margin=0.05"``; README ``###
+    Per-row draft lengths``.) The options priced for
     the floor (README ``### Per-row draft lengths``, "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
     first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
     hold under half the weight must beat a plain step by this much more); ``memory``
@@ -343,13 +349,12 @@ class AdaptivePolicy(_PerRequest):
                  calibration: Calibration | None = None, drain: float = DRAIN,
                  cautious: bool = False, harmonic: bool = False, own: float = 0.0,
                  own_call: float = 0.0, shadow: bool = False, minority: float = 0.0,
-                 slowest: bool = False, blend: float = 0.0, drain_margin: float | None = None,
+                 slowest: bool = False, blend: float = 0.0, drain_margin: float = DRAIN_MARGIN,
                  memory: float = MEMORY):
         from . import validation
 
         self.margin = validation.number(margin, "AdaptivePolicy margin", 0, 10)
-        self.drain_margin = self.margin if drain_margin is None else validation.number(
-            drain_margin, "AdaptivePolicy drain_margin", 0, 10)
+        self.drain_margin = validation.number(drain_margin, "AdaptivePolicy drain_margin", 0, 10)
         self.drain = validation.number(drain, "AdaptivePolicy drain", 0, 64)
         self.own = validation.number(own, "AdaptivePolicy own", 0, 1e6)
         self.own_call = validation.number(own_call, "AdaptivePolicy own_call", 0, 1e6)
@@ -622,15 +627,51 @@ class AdaptivePolicy(_PerRequest):
 POLICIES = ("adaptive", "fixed")
 
 
+def _flag(value: str) -> bool:
+    return bool(float(value))
+
+
+#: the ``AdaptivePolicy`` options a policy string ``"adaptive:NAME=VALUE,.."`` may set,
+#: each with how its value is read
+OPTIONS = {"margin": float, "drain": float, "drain_margin": float, "own": float,
+           "own_call": float, "minority": float, "memory": float, "blend": float,
+           "cautious": _flag, "harmonic": _flag, "shadow": _flag, "slowest": _flag}
+
+
+def parse(spec: str) -> tuple[str, dict]:
+    """A policy string: ``"adaptive"``, ``"fixed"`` or ``"adaptive:NAME=VALUE,.."``
+    (``AdaptivePolicy`` options, ``OPTIONS``): ``"adaptive:drain_margin=0.05"`` ->
+    ``("adaptive", {"drain_margin": 0.05})``. Raises ValueError stating the rule."""
+    name, _, arg = spec.partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, 'adaptive:NAME=VALUE,..' or a "
+                         f"DraftPolicy object, got {spec!r}")
+    if not arg:
+        return name, {}
+    if name != "adaptive":
+        raise ValueError(f"policy {spec!r}: only adaptive takes options")
+    opts = {}
+    for item in arg.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in OPTIONS:
+            raise ValueError(f"policy {spec!r}: options are NAME=VALUE with NAME one of "
+                             f"{', '.join(OPTIONS)}")
+        try:
+            opts[key] = OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"policy {spec!r}: {key} takes a number, got {value!r}") from None
+    return name, opts
+
+
 def resolve(policy, model=None) -> DraftPolicy:
     """``"adaptive"`` (a fresh ``AdaptivePolicy`` on ``model``'s ``calibration``, when
-    given), ``"fixed"`` or a policy object (anything with the ``DraftPolicy`` methods)."""
+    given), ``"adaptive:NAME=VALUE,.."`` (the same with those options, ``parse``),
+    ``"fixed"`` or a policy object (anything with the ``DraftPolicy`` methods)."""
     if isinstance(policy, str):
-        if policy == "adaptive":
-            return AdaptivePolicy(calibration=None if model is None else calibration(model))
-        if policy == "fixed":
+        name, opts = parse(policy)
+        if name == "fixed":
             return FixedPolicy()
-        raise ValueError(f"policy must be one of {POLICIES} or a DraftPolicy object, got {policy!r}")
+        return AdaptivePolicy(calibration=None if model is None else calibration(model), **opts)
     missing = [m for m in ("begin", "admit", "lengths", "plan", "observe") if not callable(getattr(policy, m, None))]
     if missing:
         raise TypeError(f"policy must be one of {POLICIES} or an object with the DraftPolicy "

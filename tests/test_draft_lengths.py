@@ -107,8 +107,13 @@ def test_one_drafting_row_sets_the_width_and_the_others_use_none():
 
 def test_policies_are_checked_at_the_boundary():
     target, _ = tiny_pair("llama")
-    with pytest.raises(ValueError, match=r"policy must be one of \('adaptive', 'fixed'\)"):
+    with pytest.raises(ValueError, match=r"policy must be one of \('adaptive', 'fixed'\), "
+                                         r"'adaptive:NAME=VALUE,..' or a DraftPolicy object"):
         specdec.generate(target, [[5, 6]], max_new_tokens=2, policy="greedy")
+    with pytest.raises(ValueError, match="drain_margin takes a number, got 'lots'"):
+        specdec.generate(target, [[5, 6]], max_new_tokens=2, policy="adaptive:drain_margin=lots")
+    with pytest.raises(ValueError, match="AdaptivePolicy drain_margin"):
+        specdec.generate(target, [[5, 6]], max_new_tokens=2, policy="adaptive:drain_margin=-1")
     with pytest.raises(TypeError, match="DraftPolicy methods .* without begin, admit"):
         specdec.generate(target, [[5, 6]], max_new_tokens=2, policy=object())
     with pytest.raises(ValueError, match="ForcedPolicy has 1 patterns for 2 prompts"):
@@ -437,9 +442,12 @@ def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_d
     # stands without drafting (n-gram), drain_margin=0.4 lets that pay only while requests
     # wait (tokens then free rows) or with one row left (no slower row to wait for)
     cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
-    assert policy.AdaptivePolicy().drain_margin == policy.AdaptivePolicy().margin == 0.05
-    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, standing=True)) == {2}
-    drain = dict(budget=48, standing=True, drain_margin=0.4)
+    assert policy.AdaptivePolicy().drain_margin == policy.DRAIN_MARGIN == 0.4
+    assert policy.AdaptivePolicy().margin == 0.05
+    # with the drain margin equal to the margin, the step drafts as while requests wait
+    assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, standing=True,
+                         drain_margin=0.05)) == {2}
+    drain = dict(budget=48, standing=True)  # the default: DRAIN_MARGIN
     assert set(plan_with([0.6] * 8, cpu, waiting=False, **drain)) == {0}
     assert set(plan_with([0.6] * 8, cpu, waiting=True, **drain)) == {2}
     assert plan_with([0.6], cpu, waiting=False, **drain) == [2]
@@ -448,6 +456,24 @@ def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_d
     # a drafter whose evidence needs its drafts (a draft model's confidence) or that has
     # none (scripted drafts) keeps the 5% margin: stopping would stop it learning
     assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {2}
+
+
+def test_a_policy_string_sets_adaptive_options_on_the_models_own_calibration():
+    """``policy="adaptive:NAME=VALUE,.."`` (``specdec.policy.parse``, ``OPTIONS``): the
+    adaptive policy with those options, learning into the model's calibration as
+    ``"adaptive"`` does; what ``specdec audit`` asks for to keep drafting in a batch's tail."""
+    target, _ = tiny_pair("llama")
+    assert policy.parse("adaptive") == ("adaptive", {})
+    assert policy.parse("adaptive:drain_margin=0.05,harmonic=1") == (
+        "adaptive", {"drain_margin": 0.05, "harmonic": True})
+    for bad, rule in (("greedy", "policy must be one of"), ("fixed:own=1", "only adaptive takes"),
+                      ("adaptive:own", "NAME=VALUE"), ("adaptive:colour=2", "NAME=VALUE")):
+        with pytest.raises(ValueError, match=rule):
+            policy.parse(bad)
+    p = policy.resolve("adaptive:drain_margin=0.05", target)
+    assert isinstance(p, policy.AdaptivePolicy) and p.drain_margin == 0.05
+    assert p.calibration is policy.calibration(target) is policy.resolve("adaptive", target).calibration
+    assert isinstance(policy.resolve("fixed", target), policy.FixedPolicy)
 
 
 def test_only_the_n_gram_drafter_declares_standing_evidence():
@@ -492,13 +518,10 @@ def test_benchmark_policy_variants_set_adaptive_options_and_learn_on_their_own(t
     import json
 
     throughput = load_throughput()
-    assert throughput.policy_options("adaptive") == ("adaptive", {})
-    assert throughput.policy_options("adaptive:own=4,harmonic=1") == (
-        "adaptive", {"own": 4.0, "harmonic": True})
-    for bad, rule in (("greedy", "unknown policy"), ("fixed:own=1", "only adaptive takes"),
-                      ("adaptive:own", "NAME=VALUE"), ("adaptive:colour=2", "NAME=VALUE")):
-        with pytest.raises(SystemExit, match=rule):
-            throughput.policy_options(bad)
+    # the library's parser (specdec.policy.parse, tested above), its errors as exits
+    assert throughput.policy_options("adaptive:own=4") == ("adaptive", {"own": 4.0})
+    with pytest.raises(SystemExit, match="unknown policy: .*only adaptive takes options"):
+        throughput.policy_options("fixed:own=1")
     a = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
     b = throughput.Config("spec", 8, "ngram", "eqspec", "adaptive:own=4")
     pa, pb = throughput.make_policy(a), throughput.make_policy(b)
@@ -565,10 +588,10 @@ def test_a_batch_size_without_a_measured_plain_step_gets_one():
 
 def adaptive_step(**options):
     """(ctx, state, batch, spec) after the first step's commit, with an AdaptivePolicy
-    (``options``: its own; with any, a plain step is priced first and width is cheap, so
-    the policy drafts where the prompt quotes itself)."""
+    (``options``: its own; with any, a plain step is priced first, width is cheap and
+    the drain margin is the margin, so the policy drafts where the prompt quotes itself)."""
     target, _ = tiny_pair("llama")
-    pol = policy.AdaptivePolicy(**options)
+    pol = policy.AdaptivePolicy(**({"drain_margin": 0.05, **options} if options else {}))
     if options:
         for w in range(1, K + 2):
             pol.observe(w, 2, 0.1 + 0.001 * w)

@@ -192,8 +192,10 @@ def _tiny_run(**kw):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, models.TINY_VOCAB, (n,), generator=g).tolist() for n in (3, 9, 5)]
     ref = specdec.reference_generate(target, prompts, max_new_tokens=8, stop_token_ids=[])
+    # every row drafts k (policy "fixed"): the realignment runs at every step, whatever
+    # the adaptive policy would decide on random prompts
     out = specdec.generate(target, prompts, k=3, batch_size=3, max_new_tokens=8,
-                           stop_token_ids=[], **kw).sequences
+                           stop_token_ids=[], **{"policy": "fixed", **kw}).sequences
     return out, ref
 
 

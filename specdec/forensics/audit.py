@@ -56,6 +56,12 @@ from .. import strategies
 from ..sampling import Sampling
 from .plots import phase_shares, save, stacked_phase_shares
 
+#: the audit's draft-length policy: adaptive, drafting in a batch's tail by the same 5%
+#: margin as while requests wait (``specdec.policy``: the default's ``DRAIN_MARGIN``,
+#: 0.4, makes a call of one batch of prompts that quote little draft nothing, and an
+#: audit must exercise its engines' speculation)
+POLICY = "adaptive:drain_margin=0.05"
+
 #: engines that are no speculative loop (one token per row per forward, no Monitor)
 PLAIN = ("standard", "hf_generate")
 
@@ -305,7 +311,7 @@ def _sample(tokenizer, seqs, reference, first_bad, width: int = 60) -> str | Non
 def run_audit(target, tokenizer, ids, *, model_name="model", engines=None, batch_size=8, k=4,
               max_new_tokens=32, drafter_factory=None, drafter_name="ngram", progress=None,
               report: Report | None = None, tolerance: float | None = None,
-              policy="adaptive", sampling=None, reference_ids=None) -> Report:
+              policy=POLICY, sampling=None, reference_ids=None) -> Report:
     """Run every engine in ``engines`` on ``ids``; fills and returns ``report``.
     ``tolerance``: the oracle's rule (None: calibrated; see ``invariants.equivalence``).
     ``reference_ids``: the target's batch-1 greedy ids of every prompt, exactly what
