@@ -143,6 +143,8 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     resolved = plugin.check_options(given, batch_size=batch_size)
     plugin.check_models(target, drafter)
     chosen = policy_mod.resolve(policy, target)
+    if hasattr(chosen, "refills"):  # whether a finished row's place goes to a waiting request
+        chosen.refills = plugin.refills
     dev = next(target.parameters()).device
     chosen.begin(k, len(ids), dev)
     stops = model_stop_ids(target) if a.stops is None else a.stops

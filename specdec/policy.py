@@ -25,7 +25,10 @@ scheduler picks).
 - ``plan(batch, spec, drafter, k_step) -> [B] long``: after the commit, every row's
   ``k_b`` for its next step (device, ``0 .. k``; finished rows 0);
 - ``observe(width, rows, seconds)``: the wall time of one step of verify width ``width``
-  over ``rows`` rows, measured from one host read to the next (host floats only).
+  over ``rows`` rows, measured from one host read to the next (host floats only);
+- optional, an attribute ``refills``: where a policy has one, ``generate`` sets it before
+  ``begin`` to the strategy's ``refills`` (whether a row that finishes hands its place to
+  a waiting request; ``specdec.strategies``).
 
 Policies: ``FixedPolicy`` (``policy="fixed"``: every row drafts ``k``, the behaviour
 before per-row lengths), ``AdaptivePolicy`` (the default, ``policy="adaptive"``) and
@@ -51,7 +54,10 @@ From them: ``E_b(j)``, the expected tokens row ``b`` commits with ``j`` drafts
 (``1 + sum_i prod_{l<i} p_l``, capped by its budget). The step's width ``w`` maximises the
 batch's expected tokens per unit of cost, ``sum_b v_b E_b(w - 1) / r(w)``, and must beat
 a plain step (``sum_b v_b / r(1)``) by ``margin`` (5%); otherwise every row drafts 0 and
-the step is plain decoding (width 1). Once no request waits and the step has several
+the step is plain decoding (width 1). "Once no request waits" below means: no request
+waits for a place that a finishing row would free (``AdaptivePolicy.waits``: every
+request was admitted, or the strategy decodes fixed batches and never refills, as EQSPEC
+and holes do). Once no request waits and the step has several
 rows, a drafter whose evidence stands without drafting (``standing_evidence``: the n-gram
 drafter's match lengths) must beat it by ``drain_margin`` (``DRAIN_MARGIN``, 40%): the
 batch then ends with its slowest row, and marginal steps priced on the sum of the rows'
@@ -63,10 +69,11 @@ option, off by default: ``AdaptivePolicy(own=W)`` corrects the class acceptance 
 each row's own drafts achieved in the call, ``own_factor``: accepted against what their
 classes expected, the class estimate worth ``W`` expected acceptances; ``own_call=C``
 the same over the whole call. On the device, no host read.) ``v_b`` is
-what row b's tokens are worth: 1 while requests wait for admission (a pool gives a row
-that finishes early to the next; EQSPEC, which decodes in fixed groups, gets the
-weighting in its last group only), and once every
-request was admitted ``(remaining_b / max remaining) ** drain`` (``DRAIN``): the batch
+what row b's tokens are worth: 1 while requests wait for admission and the strategy
+refills (EXSPEC's pool gives a row that finishes early to the next), and otherwise
+(every request admitted, or a strategy of fixed batches, EQSPEC and holes, whose next
+batch waits for the whole of this one) ``(remaining_b / max remaining) ** drain``
+(``DRAIN``): the batch
 then ends with its slowest row, and tokens of rows ahead of it shorten nothing. A step
 is as wide for every row (the verify forward is rectangular),
 so when a step drafts, every active row uses its ``w - 1`` drafts: a row whose own
@@ -344,6 +351,9 @@ class AdaptivePolicy(_PerRequest):
     """
 
     name = "adaptive"
+    #: whether the strategy hands a finished row's place to a waiting request (set by
+    #: ``generate``; see ``waits``)
+    refills = True
 
     def __init__(self, margin: float = 0.05, costs: StepCosts | None = None,
                  calibration: Calibration | None = None, drain: float = DRAIN,
@@ -368,6 +378,13 @@ class AdaptivePolicy(_PerRequest):
         self.calibration = calibration if calibration is not None else Calibration(costs)
         self._stats_key = None
         self._standing = False  # the drafter's ``standing_evidence`` (``_prepare``)
+
+    @property
+    def waits(self) -> bool:
+        """Whether a row that finishes now frees its place for a request (one waits for
+        admission and the strategy ``refills``); otherwise the batch ends with its slowest
+        row."""
+        return self.refills and self.waiting > 0
 
     @property
     def costs(self) -> StepCosts:
@@ -541,7 +558,7 @@ class AdaptivePolicy(_PerRequest):
             pays = ((pays >= 1 + self.margin).any(dim=1) & active).float()
             self.paying += pays.sum() / active.sum().clamp(min=1)
             self.plans += 1
-        if (self.slowest or self.blend) and not self.waiting:
+        if (self.slowest or self.blend) and not self.waits:
             slow = self.slowest_value(batch, e)
             if self.blend:  # between the slowest row's drop and the rows' mean tokens
                 rho = (self.paying / self.plans.clamp(min=1)) ** self.blend
@@ -553,7 +570,7 @@ class AdaptivePolicy(_PerRequest):
             # beat a plain step by ``minority`` more
             alone = torch.stack([e[:, j] * scale[j] for j in range(k + 1)], dim=1) >= 1 + self.margin
         # the batch ends with its slowest row (and the drafter sees its evidence anyway)
-        several = not self.waiting and batch.batch_size > 1 and self._standing
+        several = not self.waits and batch.batch_size > 1 and self._standing
         scale[0] *= 1 + (self.drain_margin if several else self.margin)
         score = [total[j] * scale[j] for j in range(k + 1)]
         if self.minority:
@@ -577,7 +594,7 @@ class AdaptivePolicy(_PerRequest):
         count expect more than a token from it. Every row alike (a batch of one; drafts
         with the same acceptance for every row) gives what the weighted sum gives. A plain
         step is worth ``sum v`` and 1 respectively."""
-        if self.waiting or not self.drain or not self.harmonic:
+        if self.waits or not self.drain or not self.harmonic:
             return (e * v).sum(dim=0)
         return v.sum(dim=0) / (v / e).sum(dim=0).clamp(min=1e-30)
 
@@ -607,7 +624,7 @@ class AdaptivePolicy(_PerRequest):
         row's tokens are worth ``(remaining / most remaining) ** drain`` (the rows furthest
         from their end count fully, rows ahead of them less); finished rows 0."""
         active = ~batch.finished
-        if self.waiting or not self.drain:
+        if self.waits or not self.drain:
             return active.float()
         left = torch.where(active, batch.remaining, 0).float()  # [B]
         return (left / left.max().clamp(min=1.0)) ** self.drain

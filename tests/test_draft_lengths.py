@@ -204,13 +204,14 @@ def test_without_the_batch_admitted_rows_start_plain():
 
 def adaptive_at(acceptance: list[float], ratios, *, k: int = K, budget: int = 20, finished=None,
                 generated=None, waiting: bool = True, seen: float = 1e6, features=None,
-                standing: bool = False, **options):
+                standing: bool = False, refills: bool = True, **options):
     """(policy, batch, drafter) for rows whose per-slot acceptance is ``acceptance[f]`` for
     evidence feature ``f`` (row b's feature: ``features[b]``, default b), counted ``seen``
     times, with step costs ``ratios`` (r(w) = ratios[w - 1]); ``generated[b]``: tokens row b
     has committed (default 1 each); ``waiting``: whether requests still wait for a row
     (else every request was admitted); ``standing``: the drafter's ``standing_evidence``;
-    ``options``: ``AdaptivePolicy``'s."""
+    ``refills``: the strategy's (whether a finished row's place goes to a waiting
+    request); ``options``: ``AdaptivePolicy``'s."""
     rows = list(range(len(acceptance))) if features is None else list(features)
     b = len(rows)
 
@@ -224,6 +225,7 @@ def adaptive_at(acceptance: list[float], ratios, *, k: int = K, budget: int = 20
     costs = policy.StepCosts()
     costs.ratios = lambda rows, widths: list(ratios)[:widths]
     pol = policy.AdaptivePolicy(costs=costs, **options)
+    pol.refills = refills
     pol.begin(k, b + waiting, torch.device("cpu"))
     pol.admit(list(range(b)))  # without the batch: planned below
     tokens, valid, positions, lengths = left_pad([[5, 6, 7]] * b)
@@ -456,6 +458,33 @@ def test_once_no_request_waits_a_step_over_several_rows_must_beat_plain_by_the_d
     # a drafter whose evidence needs its drafts (a draft model's confidence) or that has
     # none (scripted drafts) keeps the 5% margin: stopping would stop it learning
     assert set(plan_with([0.6] * 8, cpu, budget=48, waiting=False, drain_margin=0.4)) == {2}
+
+
+def test_fixed_batches_end_with_their_slowest_row_even_while_requests_wait():
+    """EQSPEC and holes decode fixed batches: the next batch waits for the whole of this
+    one, so a request that waits takes no finished row's place, and the drain (weights
+    and margin) applies from the first batch on; EXSPEC's pool refills (``refills``)."""
+    from specdec import strategies
+
+    cpu = [1.0, 1.48, 1.66, 1.94, 2.23]
+    drain = dict(budget=48, standing=True)
+    assert set(plan_with([0.6] * 8, cpu, waiting=True, **drain)) == {2}
+    assert set(plan_with([0.6] * 8, cpu, waiting=True, refills=False, **drain)) == {0}
+    # the weights: rows ahead of the slowest count less only once no request takes a place
+    ahead = dict(generated=[1] + [30] * 7, budget=48)
+    for refills, waits in ((True, True), (False, False)):
+        pol, batch, _ = adaptive_at([0.5] * 8, cpu, refills=refills, **ahead)
+        assert pol.waits is waits
+        w = pol.weights(batch)
+        assert bool((w[1:] < 1).all()) is (not waits) and w[0] == 1
+    assert [strategies.get(n).refills for n in ("eqspec", "holes", "exspec")] == [False, False, True]
+    # generate tells the policy its strategy's
+    target, _ = tiny_pair("llama")
+    p = policy.AdaptivePolicy()
+    for name in ("exspec", "eqspec"):
+        specdec.generate(target, [[5, 6, 7]] * 3, k=2, batch_size=2, max_new_tokens=3,
+                         strategy=name, policy=p)
+        assert p.refills is strategies.get(name).refills
 
 
 def test_a_policy_string_sets_adaptive_options_on_the_models_own_calibration():

@@ -14,6 +14,10 @@ The interface (``Strategy``):
 - ``profile``: the layout profile (``invariants.view.PROFILES``) its views carry, which
   selects the I2 rule the Monitor applies; a strategy whose profile changes during a run
   sets ``state.profile`` itself;
+- ``refills``: whether a row that finishes hands its place in the running batch to a
+  request that waits (EXSPEC's pool: True); a strategy that decodes fixed batches does
+  not (default False): each batch then ends with its slowest row, which the draft-length
+  policy weighs (``specdec.policy``, ``refills``);
 - ``options``: the keyword options of ``generate`` it takes (``Option``: name, type,
   help), also offered as ``--name`` flags by ``specdec generate``; ``generate`` refuses an
   option of another strategy before calling the strategy;
@@ -64,6 +68,7 @@ class Strategy:
 
     name: str = ""
     profile: str = "contiguous"
+    refills: bool = False
     options: tuple[Option, ...] = ()
 
     def check_options(self, options: dict, *, batch_size: int) -> dict:

@@ -283,6 +283,7 @@ class ExSpec(Strategy):
 
     name = "exspec"
     profile = PROFILE  # of grouped steps; admit and the fallback set state.profile
+    refills = True  # a finished row's pool place goes to the next waiting request
     options = (Option("window", int, "requests held in the pool (default 2x batch size)"),)
 
     def check_options(self, options: dict, *, batch_size: int) -> dict:
