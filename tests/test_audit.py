@@ -132,3 +132,35 @@ def test_audit_on_gemma3_past_its_window_is_clean_for_correct_engines(tmp_path, 
     for name, inv in (("implicit_positions", "I3"), ("accept_first_mismatch", "I6")):
         assert engines[name]["violations"] > 0
         assert engines[name]["first_violation"]["invariant"] == inv
+
+
+def test_each_engine_learns_on_its_own_calibration(monkeypatch):
+    """The audit's engines run the same batches one after the other: a policy string gives
+    each its own calibration, kept across its batches, so no engine plans from what the
+    engines before it learned on the batch (the model's own calibration is left alone)."""
+    import torch
+
+    from specdec import drafters, models, policy
+    from specdec.forensics import audit
+
+    target = models.tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, models.TINY_VOCAB, (n,), generator=g).tolist() for n in (4, 9, 6, 12)]
+    seen = []
+    original = audit._EngineRun.policy
+
+    def spy(self, given):
+        chosen = original(self, given)
+        seen.append((self.name, chosen))
+        return chosen
+
+    monkeypatch.setattr(audit._EngineRun, "policy", spy)
+    audit.run_audit(target, None, ids, engines=["eqspec", "holes"], batch_size=2, k=3,
+                    max_new_tokens=5, drafter_factory=drafters.NGramDrafter)
+    monkeypatch.undo()
+    cals = {name: {id(p.calibration) for n, p in seen if n == name} for name in ("eqspec", "holes")}
+    assert len(seen) == 4 and all(len(c) == 1 for c in cals.values())  # kept across batches
+    assert cals["eqspec"] != cals["holes"]
+    assert all(isinstance(p, policy.AdaptivePolicy) and p.drain_margin == 0.05 for _, p in seen)
+    assert policy.calibration(target).acceptance == {}  # the model's own: untouched
+    assert audit._EngineRun("eqspec", 1).policy("fixed") == "fixed"

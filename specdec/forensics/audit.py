@@ -15,7 +15,9 @@ that prefix, measured in the engine's batch shape among others; a number gives t
 absolute rule). Overruns (output exact up to the reference's stop token, then more
 tokens) are counted apart from the other desyncs. The report states the dtype, the rule
 and the draft-length policy, and keeps every near-tie's and desync's evidence (margin,
-gaps, spread, in logits and in ulps) in report.json.
+gaps, spread, in logits and in ulps) in report.json. The policy (``POLICY`` by default)
+learns on each engine's own calibration, kept across that engine's batches: no engine
+plans from what the engines before it learned on the same batch.
 
 Sampling engines. ``coupled:<strategy>``: the strategy with coupled sampling (the
 audit's ``sampling``, mode coupled) on the same model, prompts, drafter and policy,
@@ -511,6 +513,23 @@ class _EngineRun:
         self.stopped = False
         # the triggers its views exercised over every batch (engines with hooks only)
         self.coverage = None
+        self.calibration = None  # what its adaptive policy learns, over its batches
+
+    def policy(self, policy):
+        """The policy of one of this engine's calls: a policy string naming the adaptive
+        policy gets one on this engine's own calibration (kept across its batches, as
+        ``"adaptive"`` keeps the model's), so that no engine plans from what the engines
+        before it learned on the same batch; anything else is used as given."""
+        from .. import policy as policy_mod
+
+        if not isinstance(policy, str):
+            return policy
+        name, opts = policy_mod.parse(policy)
+        if name != "adaptive":
+            return policy
+        if self.calibration is None:
+            self.calibration = policy_mod.Calibration()
+        return policy_mod.AdaptivePolicy(calibration=self.calibration, **opts)
 
     def run_batch(self, target, prompts, rows, *, batch_size, k, max_new_tokens, drafter_factory,
                   model_name, policy, sampling=None) -> None:
@@ -540,7 +559,7 @@ class _EngineRun:
                 mode, _, strategy = self.name.rpartition(":")  # "coupled:<strategy>" or a strategy
                 res = engine.generate(target, prompts, drafter=drafter_factory(), strategy=strategy,
                                       k=k, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                      hooks=hooks, policy=policy,
+                                      hooks=hooks, policy=self.policy(policy),
                                       sampling=sampling if mode == "coupled" else None)
                 seqs, stats = res.sequences, res.stats
             else:
