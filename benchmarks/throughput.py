@@ -150,7 +150,7 @@ def make_policy(c: "Config"):
         return c.policy
     if c.calibration is None:
         c.calibration = policies.Calibration()
-    return policies.AdaptivePolicy(calibration=c.calibration, **opts)
+    return policies.resolve(c.policy, calibration=c.calibration)
 
 
 def strategy_options(spec: str) -> tuple[str, dict]:

@@ -298,6 +298,9 @@ def calibration(model) -> Calibration:
     return found
 
 
+_model_calibration = calibration  # (``resolve`` has a parameter of that name)
+
+
 def forget_calibration(model=None) -> None:
     """Drop what adaptive policies learned about ``model`` (every model when None): the
     next ``policy="adaptive"`` call starts from the priors again, as a first call does."""
@@ -680,15 +683,18 @@ def parse(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
-def resolve(policy, model=None) -> DraftPolicy:
-    """``"adaptive"`` (a fresh ``AdaptivePolicy`` on ``model``'s ``calibration``, when
-    given), ``"adaptive:NAME=VALUE,.."`` (the same with those options, ``parse``),
-    ``"fixed"`` or a policy object (anything with the ``DraftPolicy`` methods)."""
+def resolve(policy, model=None, *, calibration: Calibration | None = None) -> DraftPolicy:
+    """``"adaptive"`` (a fresh ``AdaptivePolicy`` on ``calibration``, else on ``model``'s
+    own, ``calibration(model)``, when given), ``"adaptive:NAME=VALUE,.."`` (the same with
+    those options, ``parse``), ``"fixed"`` or a policy object (anything with the
+    ``DraftPolicy`` methods)."""
     if isinstance(policy, str):
         name, opts = parse(policy)
         if name == "fixed":
             return FixedPolicy()
-        return AdaptivePolicy(calibration=None if model is None else calibration(model), **opts)
+        if calibration is None and model is not None:
+            calibration = _model_calibration(model)
+        return AdaptivePolicy(calibration=calibration, **opts)
     missing = [m for m in ("begin", "admit", "lengths", "plan", "observe") if not callable(getattr(policy, m, None))]
     if missing:
         raise TypeError(f"policy must be one of {POLICIES} or an object with the DraftPolicy "

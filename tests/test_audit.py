@@ -163,4 +163,4 @@ def test_each_engine_learns_on_its_own_calibration(monkeypatch):
     assert cals["eqspec"] != cals["holes"]
     assert all(isinstance(p, policy.AdaptivePolicy) and p.drain_margin == 0.05 for _, p in seen)
     assert policy.calibration(target).acceptance == {}  # the model's own: untouched
-    assert audit._EngineRun("eqspec", 1).policy("fixed") == "fixed"
+    assert isinstance(audit._EngineRun("eqspec", 1).policy("fixed"), policy.FixedPolicy)

@@ -503,6 +503,8 @@ def test_a_policy_string_sets_adaptive_options_on_the_models_own_calibration():
     assert isinstance(p, policy.AdaptivePolicy) and p.drain_margin == 0.05
     assert p.calibration is policy.calibration(target) is policy.resolve("adaptive", target).calibration
     assert isinstance(policy.resolve("fixed", target), policy.FixedPolicy)
+    own = policy.Calibration()  # a calibration given takes the model's place
+    assert policy.resolve("adaptive:own=3", target, calibration=own).calibration is own
 
 
 def test_only_the_n_gram_drafter_declares_standing_evidence():

@@ -516,20 +516,17 @@ class _EngineRun:
         self.calibration = None  # what its adaptive policy learns, over its batches
 
     def policy(self, policy):
-        """The policy of one of this engine's calls: a policy string naming the adaptive
-        policy gets one on this engine's own calibration (kept across its batches, as
+        """The policy of one of this engine's calls: a policy string is resolved on this
+        engine's own calibration (``policy.resolve``; kept across its batches, as
         ``"adaptive"`` keeps the model's), so that no engine plans from what the engines
-        before it learned on the same batch; anything else is used as given."""
+        before it learned on the same batch; a policy object is used as given."""
         from .. import policy as policy_mod
 
         if not isinstance(policy, str):
             return policy
-        name, opts = policy_mod.parse(policy)
-        if name != "adaptive":
-            return policy
         if self.calibration is None:
             self.calibration = policy_mod.Calibration()
-        return policy_mod.AdaptivePolicy(calibration=self.calibration, **opts)
+        return policy_mod.resolve(policy, calibration=self.calibration)
 
     def run_batch(self, target, prompts, rows, *, batch_size, k, max_new_tokens, drafter_factory,
                   model_name, policy, sampling=None) -> None:
