@@ -92,18 +92,16 @@ slot; forwards over fewer rows padded with inert zero rows), replaying a flagged
 through the hooks' table to report it.
 Strict mode reads every step, so its fusions and its provenance table run in the hooks.
 
-Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1``,
-tiny Llama, one thread, EQSPEC and holes, on a 2-core machine shared with other
-sessions, load 1.3-2.0; the README's "Cost of checking" has the figures and main's
-beside them): fast mode 19-22 aten ops per step in the hooks plus 6-8 at ``check()``
-(main: 33-34 plus 6), +26-31% wall over no hooks, the Monitor's own CPU time 18-20% of
-the rest of the run (main: 21%); strict unchanged, 117-119 ops per step, +38-42%,
-29-30%; building the views (a null hook) adds 4-6%. The targets of issue 12 (fast
-+10%, strict +25% over no hooks) are not met: what is left is Python per hook call
-(about 30 us at a draft view, 140 at a verify), not aten ops. Replayed alone
-(``--replay 20``: one run's views, no model between hooks), the Monitor's own code takes
-about 340 (EQSPEC) to 400 (holes) us per engine step in fast mode, 15-16% of the engine's
-CPU time with no hooks, and 560-590 us, 23-25%, in strict.
+Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1
+--no-count --replay 10``, tiny Llama, one thread, EQSPEC and holes, default policy, on a
+quiet 2-core machine; the README's "Cost of checking" has the table, and
+``docs/history/cost-of-checking.md`` what each round changed): fast mode +18-19% wall over
+no hooks, the Monitor's own CPU time 20% of the rest of the run; strict +33-34%, 29%;
+building the views (a null hook) adds 3.5-4%. The targets of issue 12 (fast +10%, strict
++25% over no hooks) are not met: what is left is Python per view, not aten ops. Replayed
+alone (``--replay``: one run's views, no model between hooks), the Monitor's own code
+takes 353 (EQSPEC) to 378 (holes) us per engine step in fast mode, 13-14% of the
+engine's CPU time with no hooks, and 571-597 us, 20-23%, in strict.
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts

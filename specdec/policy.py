@@ -61,10 +61,10 @@ and holes do). Once no request waits and the step has several
 rows, a drafter whose evidence stands without drafting (``standing_evidence``: the n-gram
 drafter's match lengths) must beat it by ``drain_margin`` (``DRAIN_MARGIN``, 40%): the
 batch then ends with its slowest row, and marginal steps priced on the sum of the rows'
-tokens lose there (README ``### Per-row draft lengths``).
+tokens lose there (``docs/history/draft-lengths.md``).
 (Optionally, ``AdaptivePolicy(harmonic=True)``: once no request waits, the weighted
 harmonic mean ``sum_b v_b / sum_b (v_b / E_b(w - 1))`` takes the sum's place, a plain step being worth 1; ``AdaptivePolicy.value``. Off by
-default: its measurements were mixed, README ``### Per-row draft lengths``. Also an
+default: its measurements were mixed, ``docs/history/draft-lengths.md``. Also an
 option, off by default: ``AdaptivePolicy(own=W)`` corrects the class acceptance by what
 each row's own drafts achieved in the call, ``own_factor``: accepted against what their
 classes expected, the class estimate worth ``W`` expected acceptances; ``own_call=C``
@@ -323,13 +323,13 @@ class AdaptivePolicy(_PerRequest):
     most remaining budget in what its tokens are worth once no request waits (``DRAIN``;
     0: every active row's tokens count alike); ``cautious``: price acceptance one
     standard error below its estimate (default False: the estimate itself; True drafted
-    too little at batch 1, README ``### Per-row draft lengths``); ``harmonic``: once no
+    too little at batch 1, ``docs/history/draft-lengths.md``); ``harmonic``: once no
     request waits, a step's return is the rows' weighted harmonic mean of expected tokens
     (``value``; default False: their weighted sum, as while requests wait; True lifted
-    the kinds that barely draft but cost the kinds where drafts are best, README);
+    the kinds that barely draft but cost the kinds where drafts are best, ``docs/history/draft-lengths.md``);
     ``own``: the weight, in expected acceptances, of the class estimate against each
     row's own record in the call (``own_factor``; default 0: no correction; 3 and 12
-    measured within the noise of the default, README); ``own_call``: the same for the
+    measured within the noise of the default, same page); ``own_call``: the same for the
     call's record, every row's prior (default 0: none). ``drain_margin``: the margin of
     a step over more than one row once no request waits (default ``DRAIN_MARGIN``, 0.4),
     for a drafter whose evidence stands without drafting (its ``standing_evidence`` is
@@ -342,9 +342,8 @@ class AdaptivePolicy(_PerRequest):
     stops it drafting would stop it learning that its drafts are good. (0.4 lifted the
     priced floor over prompt kinds from 0.920 to 0.981; a call of one batch of prompts
     that quote little then drafts nothing, which is why ``specdec audit``, which must
-    exercise its engines, asks for ``"adaptive:drain_margin=0.05"``; README ``###
-    Per-row draft lengths``.) The options priced for
-    the floor (README ``### Per-row draft lengths``, "This round"), all off by default: ``shadow`` (plain steps count each row's would-be
+    exercise its engines, asks for ``"adaptive:drain_margin=0.05"``; ``docs/history/draft-lengths.md``.) The options priced for
+    the floor (``docs/history/draft-lengths.md``, round i17s), all off by default: ``shadow`` (plain steps count each row's would-be
     first draft, ``learn_plain``); ``minority`` (a width whose rows that pay for it alone
     hold under half the weight must beat a plain step by this much more); ``memory``
     (observations per class carried into a call, ``MEMORY``); ``slowest`` (once no
