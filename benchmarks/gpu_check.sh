@@ -21,8 +21,11 @@
 # transformers must be 5.24.x for the engine (it refuses other releases at run time).
 # A machine with another version needs the wheel carried in .whl/ at the repo root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.24.0
-# (it is a pure-Python wheel); this script installs .whl/*.whl into /tmp/site first.
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
+#       regex==2026.11.19
+# (transformers is a pure-Python wheel; it checks regex >= 2025.10.22 at import, and the
+# image's may be older); with `echo /.whl/ >> .git/info/exclude` git ignores them. This
+# script installs .whl/*.whl into /tmp/site first, where its interpreter lacks 5.24.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -275,26 +275,41 @@ def test_width_cost_prices_every_width_and_its_break_even(tmp_path, capsys):
         bench.main(["--model", "tiny:llama", "--k", "0"])
 
 
-def test_the_gpu_throughput_script_runs_in_its_cpu_smoke_mode(tmp_path):
-    """benchmarks/gpu_throughput.sh (issue #19's side-by-side GPU comparison) runs every
-    step on the CPU with SMOKE=1: the plain loop, Hugging Face generate and the strategies
-    with scripted drafts from the batched reference, each exact in fp32."""
+def test_the_gpu_session_script_runs_in_its_cpu_mode(tmp_path):
+    """benchmarks/gpu_session.sh, the one command a session with a lent GPU runs, runs every
+    step on the CPU with ALLOW_CPU=1: gpu_check.sh (the GPU tests on the CPU, the overhead
+    benchmark of both settings) and gpu_throughput.sh (issue #19's side-by-side comparison:
+    the plain loop, Hugging Face generate and the strategies with scripted drafts from the
+    batched reference, each exact in fp32), everything in one archive, the figures last."""
     import os
     import subprocess
+    import tarfile
 
-    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_throughput.sh")], env=env,
+    env = dict(os.environ, ALLOW_CPU="1", REPEATS="1", OUT=str(tmp_path),
+               PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.stdout.rstrip().endswith("exit 0") and "== figures" in done.stdout
+    with tarfile.open(tmp_path / "gpu_session.tar.gz") as tar:
+        tar.extractall(tmp_path / "got", filter="data")
+    got = tmp_path / "got"
+    tests = (got / "check" / "gpu_tests.log").read_text()
+    assert " passed" in tests and "failed" not in tests
+    overhead = json.loads((got / "check" / "monitor_overhead.json").read_text())
+    configs = {(r["setting"], r["config"]) for r in overhead["rows"]}
+    assert {(s, c) for s in ("cheap", "real") for c in ("none", "fast", "strict",
+                                                          "guard-fast")} <= configs
+    assert all(r["identical"] for r in overhead["rows"])
     for name, strategies in (("throughput-7b-bf16", {"eqspec", "holes"}),
                              ("throughput-1b-fp32", {"eqspec", "holes", "exspec"})):
-        data = json.loads((tmp_path / name / "results.json").read_text())
+        data = json.loads((got / "throughput" / name / "results.json").read_text())
         rows = data["rows"]
         assert {r["strategy"] for r in rows} == {"standard", "hf-generate"} | strategies
         assert data["meta"]["script_from"] == "batched" and data["meta"]["kinds"] == {"random": 4}
         assert all(r["batch_size"] == 8 and r["exact_match"] == 1.0 for r in rows)
         assert all(r["vs_hf_generate"] is not None for r in rows)
-        assert "vs hf" in (tmp_path / f"{name}.log").read_text()
+        assert "vs hf" in (got / "throughput" / f"{name}.log").read_text()
 
 
 def test_step_ops_counts_a_plain_step_of_both_loops(capsys):
