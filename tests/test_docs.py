@@ -1,7 +1,8 @@
 """The README and ``docs/`` say what the repository holds: every relative link resolves,
-every repository path the README names exists, and the README's test command is the one
-CI runs (``.ci/run``). Files move between sessions (round-by-round logs went to
-``docs/history/``); these tests keep the README from pointing at what is gone."""
+every section the README links to exists, every repository path it names exists, and its
+test command is the one CI runs (``.ci/run``). Files move between sessions (round-by-round
+logs went to ``docs/history/``); these tests keep the README from pointing at what is
+gone."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ def _relative_links(doc: Path) -> list[str]:
 def test_every_relative_link_in_the_docs_resolves(doc):
     missing = [t for t in _relative_links(doc) if not (doc.parent / t).exists()]
     assert not missing, f"{doc.relative_to(ROOT)} links to files that do not exist: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_anchor_the_readme_links_to_is_one_of_its_headings():
+    text = README.read_text(encoding="utf-8")
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # (a "# comment" is no heading)
+    headings = {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+    anchors = re.findall(r"\]\(#([^)\s]+)\)", text)
+    assert anchors, "the pattern still finds the README's links to its own sections"
+    missing = [a for a in anchors if a not in headings]
+    assert not missing, f"the README links to sections it does not have: {missing}"
 
 
 def test_every_repository_path_the_readme_names_exists():
