@@ -145,7 +145,7 @@ def make_policy(c: "Config"):
     """The policy argument of ``c``: its name, or for a variant with options an
     ``AdaptivePolicy`` on the configuration's own ``Calibration`` (kept across its calls,
     as ``"adaptive"`` keeps the model's: variants never share what they learn)."""
-    name, opts = policy_options(c.policy or "adaptive")
+    _, opts = policy_options(c.policy or "adaptive")
     if not opts:
         return c.policy
     if c.calibration is None:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from .. import policy as policy_mod
 from .. import strategies
 from ..sampling import Sampling
 from .plots import phase_shares, save, stacked_phase_shares
@@ -520,8 +521,6 @@ class _EngineRun:
         engine's own calibration (``policy.resolve``; kept across its batches, as
         ``"adaptive"`` keeps the model's), so that no engine plans from what the engines
         before it learned on the same batch; a policy object is used as given."""
-        from .. import policy as policy_mod
-
         if not isinstance(policy, str):
             return policy
         if self.calibration is None:
