@@ -3,6 +3,7 @@ exact, and the realign summary names the fastest strategy next to EQSPEC's own s
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -158,6 +159,33 @@ def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, caps
         assert r["uploads"] == 0 and r["dynamic_shapes"] == 0 and r["ops_per_step"] > 0
         assert r["most_reads_in_a_step"] == {"fast": 0, "strict": 1}.get(config, r["most_reads_in_a_step"])
     assert "no upload, no data-dependent shape, fast reads nothing" in capsys.readouterr().out
+
+
+def test_monitor_overhead_times_hooks_as_a_user_would_pass_them(monkeypatch):
+    """The timed hooks keep the Monitor's read_only promise (the null hook makes it too):
+    the engine watches them for writes in a run's first steps only, as it watches
+    hooks=[Monitor(...)], so no configuration pays a watch the user's would not."""
+    spec = importlib.util.spec_from_file_location("monitor_overhead",
+                                                  ROOT / "benchmarks" / "monitor_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from specdec import models, validation
+
+    watched = []
+    real = validation.HookWatch.__init__
+
+    def counting(self, view, stores=()):
+        watched.append(view.step)
+        real(self, view, stores)
+
+    monkeypatch.setattr(validation.HookWatch, "__init__", counting)
+    args = argparse.Namespace(k=4, batch_size=4, max_new_tokens=12, policy="fixed")
+    target, ids = models.tiny("llama"), mod.random_ids(4, 2, 8, models.TINY_VOCAB)
+    for config in ("null-hook", "fast", "strict"):
+        watched.clear()
+        steps = mod.run_once(config, target, ids, "eqspec", "cpu", args)[4].steps
+        assert steps > 2 * validation.WATCH_STEPS
+        assert watched and max(watched) < validation.WATCH_STEPS, config
 
 
 # -- honest stats: no figure from counters that do not add up --------------------------------
