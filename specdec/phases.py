@@ -312,7 +312,9 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
     """Right-align the prompts and compute the target (and drafter) cache of all but the
     pending token of every row. ``capacity(width, max_budget)`` sizes the caches (default:
     ``layout.contiguous_capacity``, the contiguous profile's need); ``cache``: a target
-    cache to reuse (emptied; static shapes: the run's one cache), else a new one.
+    cache to reuse (emptied; static shapes: the run's one cache), else a new one. The
+    target's forward leaves out the padding the rows do not need (``cache_mod.prefill``:
+    on a CPU, rows of very different lengths prefill in separate forwards).
 
     ``prime``: when the rows' first step is plain (every admitted ``k_b`` is 0), the
     prefill forward covers the pending token too (as plain decoding's prefill does) and
@@ -356,8 +358,8 @@ def prefill(ctx: Context, state: State, prompts: list[list[int]], row_ids: list[
     primed = prime and state.draft_k == 0
     if cw > 0 or primed:
         q = w if primed else cw
-        logits = cache_mod.forward(ctx.target, tokens[:, :q], positions[:, :q], valid[:, :q],
-                                   batch.target_cache, last_logits=True)
+        logits = cache_mod.prefill(ctx.target, tokens[:, :q], positions[:, :q], valid[:, :q],
+                                   batch.target_cache, [max(0, len(p) - (w - q)) for p in prompts])
         if primed:  # the pending token's slot is written, not filled (see the docstring)
             batch.target_cache.crop(cw)
             state.primed = (batch, logits)

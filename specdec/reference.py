@@ -6,8 +6,10 @@ realignment is needed: the mask and positions simply extend). One host read per 
 (has every row finished?), deferred by one forward (``hostread.DeferredRead``), and one
 per batch for its outputs (issue #19). It runs through the same
 forward path as the engine (``specdec.cache.forward`` over a ``SlabCache``) with explicit
-positions and masks. Rows that finished keep being computed (their tokens are ignored),
-as in Hugging Face batched generation.
+positions and masks, and the same prefill (``specdec.cache.prefill``: on a CPU the
+padding the rows do not need is left out, so the engine and this loop compare like with
+like; Hugging Face ``generate`` prefills the padded rectangle). Rows that finished keep
+being computed (their tokens are ignored), as in Hugging Face batched generation.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def _decode_batch(target, prompts, max_new_tokens, stop_t, dev, sampling, first_
     tokens, valid, positions, lengths = left_pad(prompts, device=dev)
     b, w = tokens.shape
     cache = cache_mod.new_cache(target, layout.contiguous_capacity(w, max_new_tokens, 0))
-    logits = cache_mod.forward(target, tokens, positions, valid, cache, last_logits=True)[:, -1]
+    logits = cache_mod.prefill(target, tokens, positions, valid, cache,
+                               [len(p) for p in prompts])[:, -1]
     mask = valid
     pos = lengths.clone()
     bufs = None
