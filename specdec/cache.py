@@ -29,9 +29,9 @@ realignments (``gather_slots``) already work within the two buffers.
 Prefill without the padding (``prefill``): a batch of left-padded prompts of mixed
 lengths spends most of one padded prefill forward on padding (44-63% of the tokens a batch
 of 8 built-in prompts computes). On a CPU, where every computed token costs, the rows,
-sorted by length, go through the forwards ``prefill_groups`` chooses (``SPLIT_FORWARD_TOKENS``:
-what one more forward costs, in tokens), each over the columns its longest row needs and
-into a cache of its own, copied into the batch's slots. The engine's prefill and the plain
+sorted by length, go through the forwards ``prefill_groups`` chooses (``split_cost``: what
+one more forward costs, in tokens), each over the columns its longest row needs and into a
+cache of its own, copied into the batch's slots. The engine's prefill and the plain
 batched loop's both take it (a ``ModelDrafter``'s prefill stays one forward).
 
 Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` allows
@@ -652,12 +652,30 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
 
 #: the cost of one more prefill forward, in padded prompt tokens computed, per device type
 #: (``prefill_groups``). A CPU computes every token of a padded prefill, padding included,
-#: and pays a forward's fixed cost (dispatch, a pass over the weights) about once per 20-30
-#: tokens of SmolLM2-135M's prefill on one thread (3.2 ms a token, about 80 ms a forward):
-#: 64 splits only where a split saves more than twice that. A device type not listed
-#: (CUDA: a prefill there is launch-bound, and no GPU has measured a split) prefills in one
-#: forward.
+#: and pays a forward's fixed cost (a pass over the weights) about once per 25 tokens of
+#: SmolLM2-135M's prefill on one thread (3.2 ms a token, about 80 ms a batch-1 decode
+#: forward): 64 splits only where a split saves more than twice that. A device type not
+#: listed (CUDA: a prefill there is launch-bound, and no GPU has measured a split)
+#: prefills in one forward.
 SPLIT_FORWARD_TOKENS = {"cpu": 64}
+
+#: a forward's dispatch (Python and op launches, whatever the model computes), in
+#: floating-point operations of prefill work it could have done instead: about 2 ms at
+#: 20 GFLOP/s. A small model's token costs about ``2 x parameters`` of them, so its split
+#: must save at least this over ``2 x parameters`` tokens per forward (the tiny test models,
+#: 90k parameters: 222 tokens; SmolLM2: the table's 64)
+FORWARD_DISPATCH_FLOPS = 4e7
+
+
+def split_cost(model, device: torch.device) -> float | None:
+    """What one more prefill forward of ``model`` costs on ``device``, in tokens (None:
+    never split there): ``SPLIT_FORWARD_TOKENS``, at least its dispatch
+    (``FORWARD_DISPATCH_FLOPS`` over the model's FLOPs per token)."""
+    per = SPLIT_FORWARD_TOKENS.get(device.type)
+    if per is None:
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    return max(per, FORWARD_DISPATCH_FLOPS / max(2 * params, 1))
 
 
 def prefill_groups(counts: list[int], forward_tokens: float) -> list[tuple[int, int]]:
@@ -686,8 +704,9 @@ def prefill(model, input_ids, positions, attention_mask, cache: "SlabCache",
     """``forward`` of a prefill (an empty ``SlabCache``, ``last_logits``) over left-padded
     rows, with the padding the rows do not need left out: ``counts[b]`` (host ints) is the
     number of valid tokens of row b (its last ``counts[b]`` columns). The rows, sorted by
-    count, go through the forwards ``prefill_groups`` chooses for the device
-    (``SPLIT_FORWARD_TOKENS``), each over the last columns its longest row needs and into
+    count, go through the forwards ``prefill_groups`` chooses at ``split_cost`` (per
+    device type, at least a forward's dispatch), each over the last columns its longest
+    row needs and into
     a cache of its own, whose slots are then copied to the same slots of ``cache`` (right
     alignment keeps a row's slot of every token). One forward when no split pays (always
     off a CPU). Every row computes exactly what it computes in any batch: its own tokens
@@ -696,7 +715,7 @@ def prefill(model, input_ids, positions, attention_mask, cache: "SlabCache",
     (``argsort`` of the mask's row sums, stable like the host's), so nothing is uploaded.
     Returns logits ``[B, 1, V]`` (zeros for a row with no valid token)."""
     b, q = input_ids.shape
-    per_forward = SPLIT_FORWARD_TOKENS.get(input_ids.device.type)
+    per_forward = split_cost(model, input_ids.device)
     if per_forward is None or b == 1 or cache.width != 0 or len(counts) != b:
         return forward(model, input_ids, positions, attention_mask, cache, last_logits=True)
     order_host = sorted(range(b), key=counts.__getitem__)

@@ -14,6 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_benchmark(name: str):
+    """The module ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def throughput():
     spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
@@ -127,10 +135,7 @@ def test_validation_overhead_runs_every_configuration_exactly(tmp_path, capsys):
 
 
 def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("monitor_overhead",
-                                                  ROOT / "benchmarks" / "monitor_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("monitor_overhead")
     out = tmp_path / "mo.json"
     argv = ["--settings", "cheap,real", "--model", "tiny:qwen3", "--prompts", "3",
             "--strategies", "eqspec,exspec", "--max-new-tokens", "4", "--repeats", "1",
@@ -165,10 +170,7 @@ def test_monitor_overhead_times_hooks_as_a_user_would_pass_them(monkeypatch):
     """The timed hooks keep the Monitor's read_only promise (the null hook makes it too):
     the engine watches them for writes in a run's first steps only, as it watches
     hooks=[Monitor(...)], so no configuration pays a watch the user's would not."""
-    spec = importlib.util.spec_from_file_location("monitor_overhead",
-                                                  ROOT / "benchmarks" / "monitor_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("monitor_overhead")
     from specdec import models, validation
 
     watched = []
@@ -186,6 +188,23 @@ def test_monitor_overhead_times_hooks_as_a_user_would_pass_them(monkeypatch):
         steps = mod.run_once(config, target, ids, "eqspec", "cpu", args)[4].steps
         assert steps > 2 * validation.WATCH_STEPS
         assert watched and max(watched) < validation.WATCH_STEPS, config
+
+
+def test_prefill_split_compares_the_split_with_one_forward_side_by_side(tmp_path, capsys):
+    mod = load_benchmark("prefill_split")
+    out = tmp_path / "ps.json"
+    assert mod.main(["--model", "tiny:llama", "--kinds", "rag", "qa", "--repeats", "2",
+                     "--max-new-tokens", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["kind"] for r in data["rows"]] == ["rag", "qa"]
+    for r in data["rows"]:
+        assert 0 < r["padding"] < 1 and r["forwards"] >= 1
+        for m in (r["prefill"], r["end_to_end"]):
+            assert m["same"] and m["ratio_min"] <= m["ratio"] <= m["ratio_max"]
+    # the shipped split is restored after every run
+    from specdec import cache as cache_mod
+    assert cache_mod.SPLIT_FORWARD_TOKENS == data["split"]
+    assert "geometric mean over kinds" in capsys.readouterr().out
 
 
 # -- honest stats: no figure from counters that do not add up --------------------------------

@@ -3,15 +3,17 @@
 Left-padded prompts of mixed lengths spend most of a batched prefill on padding (the
 built-in prompts: 44-63% of the tokens a batch of 8 computes). The prefill of the engine
 and of the plain batched loop splits the rows, sorted by length, into the forwards that
-``prefill_groups`` chooses (per device type, ``SPLIT_FORWARD_TOKENS``), each over the last
-columns its longest row needs, and copies their caches into the batch's. Specified here:
+``prefill_groups`` chooses (``split_cost``: per device type, at least a forward's
+dispatch), each over the last columns its longest row needs, and copies their caches into
+the batch's. Specified here:
 
 - the split is optimal: no partition of the rows into forwards costs less (tokens
   computed plus the cost of a forward), against every partition of small batches;
 - a row alone in its forward gets exactly (bit for bit) the logits and K/V of a batch-1
   prefill, and every row of a shared forward what that forward computes; valid slots
   sit where a one-forward prefill puts them, and every other slot holds a finite value;
-- off a CPU, or when no split pays, the prefill is one forward, as before;
+- off a CPU, where no split pays, or where the model is so small that a forward's
+  dispatch outweighs the padding, the prefill is one forward, as before;
 - decoding is unchanged: every strategy and the plain loop, on every tiny family, with
   every prefill split as finely as it goes, equal batch-1 greedy decoding; and the
   strict Monitor and ``guard_model`` (with its content rules) find nothing to report.
@@ -68,14 +70,20 @@ def test_the_split_is_the_cheapest_partition(counts, per_forward):
         assert groups == [(first, len(counts))]
 
 
+def force_split(monkeypatch, table):
+    """Split costs ``table`` (per device type, in tokens), with no floor for dispatch: the
+    tiny models' forwards are dispatch-bound, so by default their prefills rarely split."""
+    monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS", table)
+    monkeypatch.setattr(cache_mod, "FORWARD_DISPATCH_FLOPS", 0.0)
+
+
 def prefill_both(target, prompts, per_forward, monkeypatch):
     """(split cache, its logits, one-forward cache, its logits, valid) of one prefill."""
     tokens, valid, positions, _ = left_pad(prompts)
     counts = [len(p) for p in prompts]
     caches, logits = [], []
     for split in (per_forward, None):
-        monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS",
-                            {} if split is None else {"cpu": split})
+        force_split(monkeypatch, {} if split is None else {"cpu": split})
         c = cache_mod.new_cache(target, tokens.shape[1] + 4)
         logits.append(cache_mod.prefill(target, tokens, positions, valid, c, counts))
         caches.append(c)
@@ -135,14 +143,14 @@ def test_one_forward_where_no_split_pays_or_off_the_listed_devices(monkeypatch):
     tokens, valid, positions, _ = left_pad(PROMPTS)
     counts = [len(p) for p in PROMPTS]
     for table in ({"cpu": 1e9}, {"cuda": 0}, {}):
-        monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS", table)
+        force_split(monkeypatch, table)
         calls, handle = count_forwards(target)
         try:
             cache_mod.prefill(target, tokens, positions, valid, cache_mod.new_cache(target, 30), counts)
         finally:
             handle.remove()
         assert calls == [tokens.shape], table
-    monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS", {"cpu": 0})
+    force_split(monkeypatch, {"cpu": 0})
     calls, handle = count_forwards(target)
     try:
         cache_mod.prefill(target, tokens, positions, valid, cache_mod.new_cache(target, 30), counts)
@@ -152,12 +160,31 @@ def test_one_forward_where_no_split_pays_or_off_the_listed_devices(monkeypatch):
 
 
 @pytest.mark.engine
+def test_a_dispatch_bound_model_is_not_split():
+    """A forward costs at least its dispatch: on the tiny models (90k parameters) that is
+    worth some 200 tokens of prefill, more than a split of short prompts saves."""
+    target, _ = tiny_pair("llama")
+    params = sum(p.numel() for p in target.parameters())
+    cpu = torch.device("cpu")
+    assert cache_mod.split_cost(target, cpu) == cache_mod.FORWARD_DISPATCH_FLOPS / (2 * params) > 200
+    assert cache_mod.split_cost(target, torch.device("meta")) is None  # not a listed device
+    tokens, valid, positions, _ = left_pad(PROMPTS)
+    calls, handle = count_forwards(target)
+    try:
+        cache_mod.prefill(target, tokens, positions, valid, cache_mod.new_cache(target, 30),
+                          [len(p) for p in PROMPTS])
+    finally:
+        handle.remove()
+    assert calls == [tokens.shape]
+
+
+@pytest.mark.engine
 def test_decoding_after_a_split_prefill_is_batch_1_greedy(family, monkeypatch):
     """Every prefill split as finely as it goes (no cost per forward): the plain batched
     loop and every strategy equal batch-1 greedy decoding, with the strict Monitor on."""
     target, draft = tiny_pair(family)
     expected = specdec.reference_generate(target, PROMPTS, max_new_tokens=12, stop_token_ids=[])
-    monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS", {"cpu": 0})
+    force_split(monkeypatch, {"cpu": 0})
     calls, handle = count_forwards(target)
     try:
         assert specdec.reference_generate(target, PROMPTS, max_new_tokens=12, stop_token_ids=[],
@@ -185,7 +212,7 @@ def test_the_guard_and_its_content_rules_follow_a_split_prefill(strategy, monkey
     batch's cache, filled by copies it never saw written: its content rules find every
     slot by fingerprint, and nothing is flagged or left unknown."""
     target, _ = tiny_pair("llama")
-    monkeypatch.setattr(cache_mod, "SPLIT_FORWARD_TOKENS", {"cpu": 0})
+    force_split(monkeypatch, {"cpu": 0})
     with guard_model(target, mode="strict", prompts=PROMPTS, max_new_tokens=12,
                      stop_token_ids=[]) as guard:
         res = specdec.generate(target, PROMPTS, drafter=drafters.NGramDrafter(), strategy=strategy,
