@@ -715,8 +715,11 @@ def prefill(model, input_ids, positions, attention_mask, cache: "SlabCache",
     (``argsort`` of the mask's row sums, stable like the host's), so nothing is uploaded.
     Returns logits ``[B, 1, V]`` (zeros for a row with no valid token)."""
     b, q = input_ids.shape
+    if len(counts) != b or cache.width != 0:
+        raise ValueError(f"prefill needs an empty cache and one valid-token count per row: "
+                         f"the cache holds {cache.width} slots, {len(counts)} counts for {b} rows")
     per_forward = split_cost(model, input_ids.device)
-    if per_forward is None or b == 1 or cache.width != 0 or len(counts) != b:
+    if per_forward is None or b == 1:
         return forward(model, input_ids, positions, attention_mask, cache, last_logits=True)
     order_host = sorted(range(b), key=counts.__getitem__)
     sorted_counts = [counts[i] for i in order_host]

@@ -15,20 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark(name: str):
-    """The module ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
+    """The module ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package),
+    registered under NAME (a module's dataclasses look their module up)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
 @pytest.fixture(scope="module")
 def throughput():
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["throughput"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("throughput")
 
 
 def test_benchmark_writes_exact_rows_and_the_realign_summary(throughput, tmp_path, capsys):
@@ -112,10 +110,7 @@ def test_benchmark_reads_specbench_jsonl_and_reports_per_kind(throughput, tmp_pa
 
 
 def test_validation_overhead_runs_every_configuration_exactly(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "validation_overhead", ROOT / "benchmarks" / "validation_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("validation_overhead")
     from specdec import batch as batch_mod
     from specdec import phases, validation
 
@@ -281,10 +276,7 @@ def test_benchmark_refuses_stats_that_do_not_add_up_to_the_outputs(throughput, t
 def test_guard_content_overhead_reports_every_workload_and_mode(tmp_path, capsys):
     """Both workloads, both modes, silent and exact (the benchmark asserts it per run), with
     the ratio the issue bounds and the kernels per forward counted."""
-    spec = importlib.util.spec_from_file_location(
-        "guard_content_overhead", ROOT / "benchmarks" / "guard_content_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("guard_content_overhead")
     out = tmp_path / "gc.json"
     assert mod.main(["--repeats", "1", "--budget", "3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -299,9 +291,7 @@ def test_guard_content_overhead_reports_every_workload_and_mode(tmp_path, capsys
 
 
 def test_width_cost_prices_every_width_and_its_break_even(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("width_cost", ROOT / "benchmarks" / "width_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("width_cost")
     # the break-even acceptance solves 1 + p + ... + p^(w-1) = r(w)
     assert bench.break_even(1.0, 3) == 0.0
     assert bench.break_even(3.0, 3) is None and bench.break_even(3.5, 3) is None
@@ -362,9 +352,7 @@ def test_the_gpu_session_script_runs_in_its_cpu_mode(tmp_path):
 def test_step_ops_counts_a_plain_step_of_both_loops(capsys):
     """benchmarks/step_ops.py: per decode step, the plain loop's aten ops and host reads
     next to Hugging Face generate's (the plain loop reads once, issue #19)."""
-    spec = importlib.util.spec_from_file_location("step_ops", ROOT / "benchmarks" / "step_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("step_ops")
     assert mod.main(["--batch-size", "3", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     reads = next(line for line in lines if line.startswith("host reads")).split()[2:]
