@@ -155,6 +155,17 @@ def _stays_with_budget(bt: AccBatch, b: int):
                  z3.And(fin, z3.Not(bt.get("stopped", b)), gen < bt.budget[b]))
 
 
+def _plain_commit(bt: AccBatch, b: int):
+    # a plain step (k = 0) commits as committed_plain says: the same counts as the general
+    # formula, which phases.speculate then skips
+    if bt.k:
+        return z3.BoolVal(False)
+    committed, stopped = layout.committed_plain(Z3, zt([[bt.stop[b][0]]]),
+                                                column([bt.remaining[b]]))
+    return z3.Or(cell(committed, 0, 0) != bt.get("committed", b),
+                 cell(stopped, 0, 0) != bt.get("stopped", b))
+
+
 def obligations(k_max: int = K_MAX) -> list[Obligation]:
     P = "acceptance/"
     scope = f"k<={k_max}, budget unbounded, B>1 row-indep"
@@ -175,6 +186,10 @@ def obligations(k_max: int = K_MAX) -> list[Obligation]:
         Obligation(P + "commit = accepted + 1, cut at stop/budget",
                    "commit y_0..y_a cut at the remaining budget and after the first stop token",
                    mk(_commit_spec), scope=scope),
+        Obligation(P + "plain commit = commit at k = 0",
+                   "committed_plain gives a plain step's committed count and stop flag as "
+                   "committed_from_accepted does with no draft",
+                   mk(_plain_commit), scope=scope),
         Obligation(P + "rows in a step have budget",
                    "a row that stays has budget left; a row ends exactly at budget or on a stop",
                    mk(_stays_with_budget), scope=scope),

@@ -27,6 +27,8 @@ def accepted_count(drafts: torch.Tensor, predictions: torch.Tensor, limit: torch
     Returns [B] long in [0, limit].
     """
     k = drafts.shape[1]
+    if k == 0:  # a plain step: nothing to accept (``accepted_from_matches`` reads no match)
+        return layout.accepted_from_matches(layout.TORCH, drafts, None, limit[:, None])[:, 0]
     idx = torch.arange(k, device=drafts.device)[None, :]
     match = drafts == predictions[:, :k]
     return layout.accepted_from_matches(layout.TORCH, match, idx, limit[:, None])[:, 0]
@@ -43,11 +45,14 @@ def committed_count(predictions: torch.Tensor, accepted: torch.Tensor, remaining
     Returns (committed [B] long in [1, k+1], stopped [B] bool).
     """
     kp1 = predictions.shape[1]
-    idx = torch.arange(kp1, device=predictions.device)[None, :]
     if stop_ids.numel():
         is_stop = torch.isin(predictions, stop_ids)
     else:
         is_stop = torch.zeros_like(predictions, dtype=torch.bool)
-    committed, stopped = layout.committed_from_accepted(
-        layout.TORCH, is_stop, idx, accepted[:, None], remaining[:, None])
+    if kp1 == 1:  # a plain step: the same counts without the index arithmetic
+        committed, stopped = layout.committed_plain(layout.TORCH, is_stop, remaining[:, None])
+    else:
+        idx = torch.arange(kp1, device=predictions.device)[None, :]
+        committed, stopped = layout.committed_from_accepted(
+            layout.TORCH, is_stop, idx, accepted[:, None], remaining[:, None])
     return committed[:, 0], stopped[:, 0]

@@ -186,6 +186,7 @@ class NGramDrafter:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.evidence_prior = tuple(p for p in self.LENGTH_PRIOR for _ in range(self.AGREEMENT_CLASSES))
+        self._edges: dict = {}  # device -> LENGTH_EDGES as a tensor (``feature``)
 
     def prefill(self, batch: RaggedBatch) -> None:
         pass
@@ -198,13 +199,6 @@ class NGramDrafter:
         return self.lookup(tokens, valid, k)[0]
 
     @torch.no_grad()
-    def evidence(self, batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
-                 k: int) -> torch.Tensor:
-        """[B, k] long: the feature of every row's next drafts (the same for each slot),
-        from the row's tokens after this step's commit."""
-        return self.evidence_drafts(batch, predictions, committed, k)[0]
-
-    @torch.no_grad()
     def evidence_drafts(self, batch: RaggedBatch, predictions: torch.Tensor,
                         committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(``evidence``, [B] long: every row's first draft of its next step, as ``propose``
@@ -212,45 +206,73 @@ class NGramDrafter:
         (``AdaptivePolicy(shadow=True)``) compares that draft with the token the step
         commits."""
         tokens, valid = batch.committed_context(predictions, committed)
-        drafts, length, agree = self.lookup(tokens, valid, max(k, 1))
-        cls = sum((length >= e).long() for e in self.LENGTH_EDGES)  # 0 .. len(edges)
-        feature = cls * self.AGREEMENT_CLASSES + (agree - 1).clamp(0, self.AGREEMENT_CLASSES - 1)
-        return feature[:, None].expand(-1, k), drafts[:, 0]
+        length, start, agree = self.match(tokens, valid)
+        first = self.continuation(tokens, length, start, 1)[:, 0]
+        return self.feature(length, agree)[:, None].expand(-1, k), first
+
+    @torch.no_grad()
+    def evidence(self, batch: RaggedBatch, predictions: torch.Tensor, committed: torch.Tensor,
+                 k: int) -> torch.Tensor:
+        """[B, k] long: the feature of every row's next drafts (the same for each slot),
+        from the row's tokens after this step's commit (the match only: no drafts)."""
+        tokens, valid = batch.committed_context(predictions, committed)
+        length, _, agree = self.match(tokens, valid)
+        return self.feature(length, agree)[:, None].expand(-1, k)
+
+    def feature(self, length: torch.Tensor, agree: torch.Tensor) -> torch.Tensor:
+        """[B] long: the evidence feature of a match ``length`` [B] seen ``agree`` [B] times:
+        its length class (how many ``LENGTH_EDGES`` it reaches, one ``bucketize``) times
+        ``AGREEMENT_CLASSES``, plus its agreement class."""
+        edges = self._edges.get(length.device)
+        if edges is None:  # once per device: a constant, not an upload per step
+            edges = self._edges[length.device] = torch.tensor(self.LENGTH_EDGES, device=length.device)
+        cls = torch.bucketize(length, edges, right=True)  # 0 .. len(edges)
+        return cls * self.AGREEMENT_CLASSES + (agree - 1).clamp(0, self.AGREEMENT_CLASSES - 1)
 
     def lookup(self, tokens: torch.Tensor, valid: torch.Tensor, k: int):
         """(drafts [B, k] long, match length [B] long (0: none), agreement [B] long) for
         right-aligned rows ``tokens``/``valid`` [B, W] whose last slot is the pending token."""
+        length, start, agree = self.match(tokens, valid)
+        return self.continuation(tokens, length, start, k), length, agree
+
+    def match(self, tokens: torch.Tensor, valid: torch.Tensor):
+        """(match length [B] long (0: none), the slot its continuation starts at [B] long,
+        agreement [B] long (0 without a match)) of right-aligned rows ``tokens``/``valid``
+        [B, W] whose last slot is the pending token."""
         b, w = tokens.shape
         dev = tokens.device
-        pending = tokens[:, w - 1]
+        if w == 1:
+            none = torch.zeros(b, dtype=torch.long, device=dev)
+            return none, none, none
+        # padding reads -1, as does the lead before the row: never a token, so a window
+        # matches only real tokens (a match cannot run into the padding: it would need all
+        # of the row's real tokens to end before its last slot)
+        t = torch.where(valid, tokens, -1)
         n = min(self.max_n, w - 1)
-        if n > 0:
-            # win[b, e, j] = tokens[b, e - (n-1) + j], the n tokens ending at slot e, whose
-            # continuation would start at slot e + 1
-            # (a sentinel -1 before the row: never a token), against the row's last n
-            lead = tokens.new_full((b, n - 1), -1)
-            win = torch.cat([lead, tokens[:, : w - 1]], dim=1).unfold(1, n, 1)  # [B, W-1, n]
-            vwin = torch.cat([valid.new_zeros(b, n - 1), valid[:, : w - 1]], dim=1).unfold(1, n, 1)
-            eq = (win == tokens[:, None, w - n:]) & vwin & valid[:, None, w - n:]
-            # match length: equal tokens counted back from the end, up to the first mismatch
-            length = eq.flip(-1).long().cummin(dim=-1).values.sum(dim=-1)  # [B, W-1]
-        else:
-            length = torch.zeros(b, w - 1, dtype=torch.long, device=dev)
-        length = torch.where(length >= self.min_n, length, 0)
-        if w > 1:
-            best_len, best = longest_match(length)  # the one place a match is chosen
-            start = best + 1  # slot of the continuation's first token
-            follows = tokens.gather(1, start[:, None])  # [B, 1]
-            agree = ((length >= best_len[:, None]) & (tokens[:, 1:] == follows)).sum(dim=1)
-        else:
-            best_len = torch.zeros(b, dtype=torch.long, device=dev)
-            start, agree = best_len + (w - 1), best_len
-        found = best_len > 0
+        # win[b, e, j] = t[b, e - (n-1) + j], the n tokens ending at slot e, whose
+        # continuation would start at slot e + 1, against the row's last n
+        win = torch.cat([t.new_full((b, n - 1), -1), t[:, : w - 1]], dim=1).unfold(1, n, 1)
+        eq = win == t[:, None, w - n:]  # [B, W-1, n]
+        # match length: equal tokens counted back from the end, up to the first mismatch
+        length = eq.flip(-1).cummin(dim=-1).values.sum(dim=-1)  # [B, W-1]
+        if self.min_n > 1:
+            length = torch.where(length >= self.min_n, length, 0)
+        best_len, best = longest_match(length)  # the one place a match is chosen
+        start = best + 1  # slot of the continuation's first token
+        follows = tokens.gather(1, start[:, None])  # [B, 1]
+        agree = ((length >= best_len[:, None]) & (tokens[:, 1:] == follows)).sum(dim=1)
+        return best_len, start, torch.where(best_len > 0, agree, 0)
+
+    def continuation(self, tokens: torch.Tensor, length: torch.Tensor, start: torch.Tensor,
+                     k: int) -> torch.Tensor:
+        """[B, k] long: the drafts of a match (``match``): the tokens from slot ``start``
+        on, periodic with period ``W - start`` past the row's end; the pending token
+        repeated where there is no match (``length`` 0)."""
+        w = tokens.shape[1]
         period = (w - start).clamp(min=1)
-        j = torch.arange(k, device=dev)[None, :]
+        j = torch.arange(k, device=tokens.device)[None, :]
         cand = tokens.gather(1, start[:, None] + torch.remainder(j, period[:, None]))
-        drafts = torch.where(found[:, None], cand, pending[:, None])
-        return drafts, best_len, torch.where(found, agree, 0)
+        return torch.where(length[:, None] > 0, cand, tokens[:, w - 1 :])
 
 
 def longest_match(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -291,6 +291,18 @@ def committed_from_accepted(ops: Ops, is_stop, i, accepted, remaining):
     return committed, ops.any(stop_in, dim=1, keepdim=True)
 
 
+def committed_plain(ops: Ops, is_stop, remaining):
+    """``committed_from_accepted`` of a plain step (``k = 0``: one prediction, no draft,
+    so ``accepted = 0``), without its index arithmetic: a row commits ``min(1,
+    remaining)`` tokens and stopped when that token is a stop token (proved equal in
+    ``proofs/acceptance.py``).
+
+    is_stop: [B, 1] bool; remaining: [B, 1]. Returns (committed [B, 1], stopped [B, 1] bool).
+    """
+    upto = ops.minimum(remaining, 1)
+    return upto, is_stop & (upto > 0)
+
+
 def row_finished(finished, stopped, generated, budgets):
     """A row leaves the batch once it stopped or spent its budget (it stays only with
     ``generated < budgets``, so every row in a step has ``remaining >= 1``)."""

@@ -438,7 +438,8 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
     # -- draft ---------------------------------------------------------------------------
     remaining = batch.remaining
     lengths = ctx.policy.lengths(batch, k)  # [B] long, each <= k
-    limit = layout.draft_limit(layout.TORCH, lengths, remaining)
+    # a plain step (k = 0): every k_b is 0, and so is every row's draft limit
+    limit = layout.draft_limit(layout.TORCH, lengths, remaining) if k else lengths
     proposed, draft_logits = propose(ctx, batch, k, state.step)
     # type, dtype, device, shape checked here; ids outside the vocabulary are clamped for
     # the forward and flagged, and the flag is read with the step's one sync (``sync``)
@@ -479,8 +480,8 @@ def speculate(ctx: Context, state: State, batch: RaggedBatch) -> Spec:
         inputs, positions, mask, given = static_record(ctx, inputs, positions, mask, given,
                                                        cw + k + 1)
     # the choice at each position: argmax, coupled choice, or rejection sampling's choice
-    predictions = sampling.choose(logits, ctx.sampling, batch.row_ids, batch.generated[:, None] + i,
-                                  drafts, draft_logits)
+    at = batch.generated[:, None] + i if ctx.sampling is not None else None  # output positions
+    predictions = sampling.choose(logits, ctx.sampling, batch.row_ids, at, drafts, draft_logits)
     t = timed(state, "verify", t)
     emit(ctx, state, "verify", batch, drafts=drafts, draft_limit=limit, predictions=predictions,
          forward=ForwardRecord(inputs, positions, mask, cache_before, window=ctx.target_window,

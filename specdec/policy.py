@@ -411,6 +411,8 @@ class AdaptivePolicy(_PerRequest):
         self.plans = torch.zeros(1, dtype=torch.float32, device=device)
         self.waiting = requests  # requests not admitted yet (host integer)
         self._stats_key = None  # re-read (and age) the calibration's acceptance
+        # [1, k+1] long: 0 .. k, the draft counts of a step (built once per call, not per plan)
+        self.counts = torch.arange(k + 1, device=device)[None, :]
 
     def _prepare(self, drafter, k: int, device) -> None:
         """Acceptance statistics per (feature, slot) of this drafter kind and ``k``: the
@@ -500,8 +502,7 @@ class AdaptivePolicy(_PerRequest):
         """[B, k+1] float: ``E_b(j)``, expected tokens committed with ``j`` drafts (capped
         at the row's budget after this step's commit)."""
         k = self.k
-        j = torch.arange(k, device=features.device)[None, :]
-        bucket = features * k + j  # [B, k]
+        bucket = features * k + self.counts[:, :k]  # [B, k]
         self.bucket.index_copy_(0, batch.row_ids, bucket)
         tries = self.tries[bucket]
         p = self.hits[bucket] / tries
@@ -510,9 +511,9 @@ class AdaptivePolicy(_PerRequest):
         if self.own or self.own_call:  # corrected by what the row's own drafts achieved
             p = (p * self.own_factor(batch)[:, None]).clamp(max=OWN_CAP)
         reach = torch.cumprod(p, dim=1)
-        e = torch.cat([torch.ones_like(reach[:, :1]), 1 + torch.cumsum(reach, dim=1)], dim=1)
+        e = torch.nn.functional.pad(1 + torch.cumsum(reach, dim=1), (1, 0), value=1.0)  # [B, k+1]
         usable = layout.draft_limit(layout.TORCH, k, batch.remaining)  # [B]
-        return e.gather(1, torch.minimum(torch.arange(k + 1, device=e.device)[None, :], usable[:, None]))
+        return e.gather(1, torch.minimum(self.counts, usable[:, None]))
 
     def own_factor(self, batch) -> torch.Tensor:
         """[B] float: how far each row's drafts did better (> 1) or worse (< 1) than their
@@ -574,13 +575,13 @@ class AdaptivePolicy(_PerRequest):
         # the batch ends with its slowest row (and the drafter sees its evidence anyway)
         several = not self.waits and batch.batch_size > 1 and self._standing
         scale[0] *= 1 + (self.drain_margin if several else self.margin)
-        score = [total[j] * scale[j] for j in range(k + 1)]
+        score = list(torch._foreach_mul(total.unbind(), scale))  # total[j] * scale[j]
         if self.minority:
             share = (v[:, None] * alone).sum(dim=0) / v.sum().clamp(min=1e-30)  # [k+1]
             strict = torch.where(share < 0.5, 1.0 / (1.0 + self.minority), 1.0)
             score = [score[0]] + [score[j] * strict[j] for j in range(1, k + 1)]
         width = torch.stack(score).argmax()  # w - 1
-        nxt = torch.where(active, width, 0)
+        nxt = width * active  # finished rows draft 0
         self.next.index_copy_(0, batch.row_ids, nxt)
         return nxt
 

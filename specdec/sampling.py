@@ -348,11 +348,13 @@ def rejection_choices(logits: torch.Tensor, s: Sampling, row_ids: torch.Tensor, 
 # The choice of a verify step, of plain decoding and of a draft model
 # ---------------------------------------------------------------------------------------
 
-def choose(logits: torch.Tensor, s: Sampling | None, row_ids: torch.Tensor, t: torch.Tensor,
-           drafts: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+def choose(logits: torch.Tensor, s: Sampling | None, row_ids: torch.Tensor,
+           t: torch.Tensor | None, drafts: torch.Tensor,
+           draft_logits: torch.Tensor | None = None) -> torch.Tensor:
     """[B, k+1] long: the token chosen at each position of a verify step (plain decoding:
-    ``k = 0``). Greedy (``s`` None): the argmax; coupled: the coupled choice; rejection:
-    ``rejection_choices``. Shapes as in ``rejection_choices``."""
+    ``k = 0``). Greedy (``s`` None): the argmax (``t``, the output positions, unread: may
+    be None); coupled: the coupled choice; rejection: ``rejection_choices``. Shapes as in
+    ``rejection_choices``."""
     if s is None:
         return logits.argmax(dim=-1)
     if s.mode == "coupled":
