@@ -535,7 +535,8 @@ def verify_forward(target, inputs, positions, mask, cache, given,
         return cache_mod.forward(target, inputs, positions, mask, cache, mask=given,
                                  key_width=key_width)
     try:
-        pad = lambda x: torch.cat([x, x[:1].expand(extra, *x.shape[1:])])  # noqa: E731
+        one = extra == 1  # what ``padding_row`` adds: row 0 once more, no expand needed
+        pad = lambda x: torch.cat([x, x[:1] if one else x[:1].expand(extra, *x.shape[1:])])  # noqa: E731
         logits = cache_mod.forward(target, pad(inputs), pad(positions), pad(mask), cache,
                                    mask=pad(given))
     finally:
