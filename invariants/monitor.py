@@ -93,18 +93,15 @@ through the hooks' table to report it.
 Strict mode reads every step, so its fusions and its provenance table run in the hooks.
 
 Measured (``benchmarks/monitor_overhead.py --settings cheap --repeats 9 --threads 1
---no-count --replay 10``, tiny Llama, one thread, EQSPEC and holes, default policy, on a
-quiet 2-core machine; the README's "Cost of checking" has the table, and
-``docs/history/cost-of-checking.md`` what each round changed): fast mode +18-19% wall over
-no hooks, the Monitor's own CPU time 20% of the rest of the run; strict +33-34%, 29%;
-building the views (a null hook) adds 3.5-4%. The targets of issue 12 (fast +10%, strict
-+25% over no hooks) are not met: what is left is Python per view, not aten ops. Replayed
-alone (``--replay``: one run's views, no model between hooks), the Monitor's own code
-takes 353 (EQSPEC) to 378 (holes) us per engine step in fast mode, 13-14% of the
-engine's CPU time with no hooks, and 571-597 us, 20-23%, in strict. The next session's
-run of the same command read fast +28-46% and strict +47-64% wall with the Monitor's own
-CPU time unchanged (20-22%, 29-32%): the wall figure of this setting moves by that much
-between sessions.
+--no-count --replay 10``, tiny Llama, one thread, EQSPEC and holes, both policies, on a
+quiet 2-core machine, tree ``adef010``; the README's "Cost of checking" has the table, and
+``docs/history/cost-of-checking.md`` what each round changed): fast mode +41-46% wall over
+no hooks, strict +43-45%; building the views (a null hook) adds 1.4-3.6%. The targets of
+issue 12 (fast +10%, strict +25% over no hooks) are not met: what is left is Python per
+view, not aten ops. Replayed alone (``--replay``: one run's views, no model between
+hooks), the Monitor's own code takes 238-304 us per engine step in fast mode, 19-22% of
+the engine's CPU time with no hooks, and 341-377 us, 26-28%, in strict; in a run it costs
+about twice that (the model's forwards themselves run 3-12% slower beside it).
 
 ``raise_on_violation=False`` records every violation in ``.violations`` instead of raising
 (forensics of known-bad engines); ``check()`` then returns the list. The accepted counts
