@@ -535,8 +535,7 @@ def verify_forward(target, inputs, positions, mask, cache, given,
         return cache_mod.forward(target, inputs, positions, mask, cache, mask=given,
                                  key_width=key_width)
     try:
-        one = extra == 1  # what ``padding_row`` adds: row 0 once more, no expand needed
-        pad = lambda x: torch.cat([x, x[:1] if one else x[:1].expand(extra, *x.shape[1:])])  # noqa: E731
+        pad = lambda x: torch.cat([x, x[:1]])  # noqa: E731  (``padding_row`` adds one row: row 0 again)
         logits = cache_mod.forward(target, pad(inputs), pad(positions), pad(mask), cache,
                                    mask=pad(given))
     finally:
