@@ -68,7 +68,7 @@ OUT_DIR=${OUT:-benchmarks/out}
 mkdir -p "$OUT_DIR"
 status=0
 start=$(date +%s)
-timeout "${TEST_LIMIT:-150}" "$PY" -m pytest tests/test_invariants_gpu.py tests/test_sampling_gpu.py -m gpu -q \
+timeout "${TEST_LIMIT:-150}" "$PY" -m pytest tests/test_invariants_gpu.py tests/test_sampling_gpu.py tests/test_graphs.py -m gpu -q \
   -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log" || status=1
 echo "gpu tests took $(( $(date +%s) - start ))s"
 start=$(date +%s)

@@ -95,7 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants.equivalence import DEFAULT_TOLERANCE, compare_outputs, rule_text  # noqa: E402
-from specdec import Sampling, compiled, drafters, engine, models, prompts, strategies  # noqa: E402
+from specdec import Sampling, compiled, drafters, graphs, engine, models, prompts, strategies  # noqa: E402
 from specdec import policy as policies  # noqa: E402
 from specdec.reference import hf_generate  # noqa: E402
 from specdec.forensics.plots import phase_shares as shares_of, save, stacked_phase_shares  # noqa: E402
@@ -264,7 +264,7 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
     if c.kind == "standard":
         seqs = specdec.reference_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size,
                                           sampling=c.sampling, compile=c.compile,
-                                          static_shapes=c.static)
+                                          static_shapes=True if c.static else None)
     elif c.kind == "hf-generate":
         seqs = hf_generate(target, ids, max_new_tokens=new, batch_size=c.batch_size)
     elif c.kind == "hf-lookup":
@@ -277,7 +277,7 @@ def run_config(c: Config, target, ids, new: int, k: int, reference, vocab, draft
         res = engine.generate(target, ids, drafter=drafter, strategy=name, k=k,
                               batch_size=c.batch_size, max_new_tokens=new, policy=make_policy(c),
                               sampling=c.sampling, hooks=hooks, compile=c.compile,
-                              static_shapes=c.static, **opts)
+                              static_shapes=True if c.static else None, **opts)
         seqs, stats = res.sequences, res.stats
     sync(target)
     return seqs, stats, time.perf_counter() - t0, time.process_time() - c0
@@ -453,6 +453,10 @@ def main(argv=None) -> int:
     ap.add_argument("--static-shapes", action="store_true",
                     help="also run every standard and speculative configuration (compiled "
                          "twins included) with static shapes (specdec/static.py; name +static)")
+    ap.add_argument("--graphs-cpu-proxy", action="store_true",
+                    help="run --compile cuda-graphs on a CPU with specdec.graphs.cpu_proxy() "
+                         "(the capture path's CPU stand-in: checks a script, no figure of it "
+                         "means anything)")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="models without a tokenizer: random prompts of LO..HI tokens "
                          "(default: a quarter of each built-in prompt's word count)")
@@ -478,6 +482,13 @@ def main(argv=None) -> int:
                     help="run nothing: print the summary of a saved results.json (and, with "
                          "--out, rewrite its summary and plots)")
     args = ap.parse_args(argv)
+    if args.graphs_cpu_proxy:
+        with graphs.cpu_proxy():
+            return _main(args)
+    return _main(args)
+
+
+def _main(args) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         if data.get("by_kind"):
@@ -535,8 +546,9 @@ def main(argv=None) -> int:
     configs += [replace(c, compile=mode, runs=[]) for mode in args.compile for c in list(configs)
                 if c.kind in ("standard", "spec")]
     if args.static_shapes:
+        # (cuda-graphs runs with static shapes whatever is asked: no twin of it)
         configs += [replace(c, static=True, runs=[]) for c in list(configs)
-                    if c.kind in ("standard", "spec")]
+                    if c.kind in ("standard", "spec") and c.compile != "cuda-graphs"]
     if args.hf_lookup:
         configs.append(Config("hf-lookup", 1, lookup=args.hf_lookup))
 
@@ -649,6 +661,7 @@ def main(argv=None) -> int:
     print_overall(rows)
     summary = realign_summary(first_mode(rows, modes))
     print_summary(summary)
+    print_graphs(configs)
 
     if args.out:
         out = Path(args.out)
@@ -786,6 +799,26 @@ def print_summary(summary: list) -> None:
         if r["eqspec_realign"] is not None and r["best"] != "eqspec":
             print(f"    eqspec realign: {pct(r['eqspec_realign'])}")
         print("    fastest per drafter: " + ", ".join(f"{x} {s}" for x, s in r["fastest_per_drafter"].items()))
+
+
+def print_graphs(configs: list) -> None:
+    """compile="cuda-graphs": per configuration, the target forwards served by captured
+    graphs over all its timed runs (captures, replays, eager forwards by reason)."""
+    lines = []
+    for c in configs:
+        got = [r["stats"]["graphs"] for r in c.runs if r["stats"] and r["stats"].get("graphs")]
+        if not got:
+            continue
+        eager: dict = {}
+        for g in got:
+            for why, n in g["eager"].items():
+                eager[why] = eager.get(why, 0) + n
+        lines.append(f"  {c.engine} batch {c.batch_size}: captured {sum(g['captured'] for g in got)}, "
+                     f"replayed {sum(g['replayed'] for g in got)}, failed captures "
+                     f"{sum(g['failed'] for g in got)}, eager {eager or 0}")
+    if lines:
+        print("\ncaptured forwards (compile=cuda-graphs, over every timed run)")
+        print("\n".join(lines))
 
 
 def plot(rows, out: Path) -> None:

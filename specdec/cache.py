@@ -46,11 +46,14 @@ Written for transformers 5.24 (``SUPPORTED_TRANSFORMERS``; ``pyproject.toml`` al
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 
 import torch
 import transformers
+
+from . import graphs as graphs_mod
 
 try:
     from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -109,6 +112,11 @@ class _Slab:
         self.reserve = False
         self.reserve_rows = 0
         self._ends: dict = {}  # id(buffer) -> (buffer, its K0 and V_last views)
+        # whole-forward capture (``specdec/graphs.py``): while ``addressed``, writes go to
+        # slots ``offset + arange(q)`` and the query offset is ``offset``, a 0-d long
+        # device tensor holding the width (``SlabCache.addressed``), never a host int
+        self.addressed = False
+        self.offset: torch.Tensor | None = None
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -212,6 +220,12 @@ class SlabLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         slab = self.slab
         w, q = slab.width, key_states.shape[-2]
+        if slab.addressed:  # a captured forward: addressed by the offset tensor alone
+            kv = slab.kv[self.layer_idx]
+            at = slab.offset + torch.arange(q, device=slab.offset.device)
+            kv[0].index_copy_(2, at, key_states)
+            kv[1].index_copy_(2, at, value_states)
+            return kv[0, :, :, : slab.key_width], kv[1, :, :, : slab.key_width]
         if w + q > slab.capacity:
             raise ValueError(
                 f"cache capacity exceeded: width {w} + {q} new tokens > capacity {slab.capacity}"
@@ -312,6 +326,33 @@ class SlabCache(Cache):
     def advance(self, q: int) -> None:
         """Declare that the last forward wrote ``q`` new slots in every layer."""
         self.slab.width += q
+
+    @contextlib.contextmanager
+    def addressed(self):
+        """A block whose forwards (over a key width, ``_Slab.key_width``) address the
+        cache by device tensors only, as a captured graph must (``specdec/graphs.py``):
+        ``offset`` is filled with the width (a fill kernel, no host copy) and the layers
+        write at ``offset + arange(q)``; transformers reads ``offset`` as the query
+        offset (``get_query_offset``)."""
+        slab = self.slab
+        if slab.key_width is None or slab.store is None:
+            raise ValueError("an addressed forward needs a filled cache and a key width "
+                             "(static shapes)")
+        if slab.offset is None or slab.offset.device != slab.store.device:
+            slab.offset = torch.zeros((), dtype=torch.long, device=slab.store.device)
+        slab.offset.fill_(slab.width)
+        slab.addressed = True
+        try:
+            yield
+        finally:
+            slab.addressed = False
+
+    def get_query_offset(self, layer_idx: int = 0):
+        """transformers' query offset: the width, or, in an addressed forward, the 0-d
+        device tensor that holds it (as its static caches do)."""
+        if self.slab.addressed:
+            return self.slab.offset
+        return self.get_seq_length(layer_idx)
 
     def gather_slots(self, src: torch.Tensor) -> None:
         """Keep, per row, the slots ``src``.
@@ -586,6 +627,22 @@ def model_mask(model, attention_mask: torch.Tensor, positions: torch.Tensor,
     return attention_mask.long()
 
 
+def slot_masks(model, attention_mask: torch.Tensor, cached: int, q: int):
+    """The 4-D mask(s) transformers would build from a 2-D ``attention_mask`` ``[B, K]``
+    (causal and sliding window over slot indices: query i sits in slot ``cached + i``),
+    built here, for a captured forward (``specdec/graphs.py``): handed a 4-D mask, the
+    model builds none, so nothing in the graph depends on the cache width on the host
+    (``position_masks`` with slot indices for positions)."""
+    b, kw = attention_mask.shape
+    dev = attention_mask.device
+    kpos = torch.arange(kw, device=dev)[None, :].expand(b, kw)
+    qpos = (cached + torch.arange(q, device=dev))[None, :].expand(b, q)
+    window = sliding_window(model)
+    if window is None:
+        return position_mask(model, attention_mask, kpos, qpos, None, cached)
+    return position_masks(model, attention_mask, kpos, qpos, window, cached)
+
+
 def new_cache(model: torch.nn.Module, capacity: int) -> SlabCache:
     """A fresh ``SlabCache`` for ``model`` holding up to ``capacity`` slots."""
     return SlabCache(num_hidden_layers(model), capacity)
@@ -631,23 +688,28 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
     if mask is None:
         mask = model_mask(model, attention_mask, positions, key_positions,
                           None if key_width is None else cache.width)
+    keep = 1 if last_logits else 0
+
+    def run(ids, pos, m):
+        return model(input_ids=ids, position_ids=pos, attention_mask=m, use_cache=True,
+                     logits_to_keep=keep, **{CACHE_KWARG: cache}).logits
+
     if key_width is not None:
         cache.slab.key_width = key_width
     try:
-        out = model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1 if last_logits else 0,
-            **{CACHE_KWARG: cache},
-        )
+        captured = graphs_mod.active(model) if key_width is not None else None
+        if captured is not None:  # compile="cuda-graphs": a graph per bucket
+            cached = cache.width
+            logits = captured.forward(run, input_ids, positions, mask, cache, key_width, keep,
+                                      lambda m: slot_masks(model, m, cached, q))
+        else:
+            logits = run(input_ids, positions, mask)
     finally:
         if key_width is not None:
             cache.slab.key_width = None
     if isinstance(cache, SlabCache):
         cache.advance(q)
-    return out.logits
+    return logits
 
 
 #: the cost of one more prefill forward, in padded prompt tokens computed, per device type

@@ -288,11 +288,12 @@ def main(argv=None) -> int:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--compile", default=None, choices=("inductor", "cuda-graphs"),
                    help="the compiled fast path (default: eager): inductor (CPU: needs a C++ "
-                        "compiler) or cuda-graphs (CUDA models only); same tokens")
-    g.add_argument("--static-shapes", action="store_true",
+                        "compiler) or cuda-graphs (CUDA models only: the whole decode and verify "
+                        "forwards captured per shape bucket); same tokens")
+    g.add_argument("--static-shapes", action="store_true", default=None,
                    help="decode and verify forwards of few shapes (verify width 1 or k+1, key "
                         "widths in 32-slot buckets, inputs in per-run buffers: specdec/static.py);"
-                        " same tokens, more work on a CPU")
+                        " same tokens, more work on a CPU (on with --compile cuda-graphs)")
     _add_engine_options(g)
     _add_strategy_options(g)
     _add_sampling_options(g, "any of these turns sampling on (greedy decoding otherwise)")

@@ -16,14 +16,16 @@ Modes (``MODES``):
 - ``None``: eager (the default);
 - ``"inductor"``: ``torch.compile(backend="inductor")`` per region (on a CPU it needs a
   C++ compiler: ``check`` refuses the run up front when none is on PATH);
-- ``"cuda-graphs"``: ``torch.compile(mode="reduce-overhead")`` per region: inductor
-  kernels replayed as CUDA graphs, one capture per (rows, verify width) bucket, since
-  a region's shape does not depend on the cache width. CUDA only (``check``). Not yet run
-  on a GPU (no GPU in the session that wrote it): ``benchmarks/gpu_throughput.sh`` with
-  ``COMPILE=cuda-graphs`` is its first check (exactness included: the benchmark compares
-  every row with batch-1 decoding). Its outputs live in CUDA-graph memory that the next
-  replay of the same graph reuses; every region's output here is consumed (added to the
-  residual stream, or fed to the attention) before that replay.
+- ``"cuda-graphs"``: the target's whole decode and verify forwards captured as CUDA
+  graphs, one per bucket (rows, tokens per row, key width: ``specdec/graphs.py``), with
+  static shapes (``specdec/static.py``; ``compile="cuda-graphs"`` turns them on); the
+  prefill stays eager, and a draft model's regions run ``torch.compile(mode=
+  "reduce-overhead")`` (its forwards keep eager shapes). CUDA only (``check``), except
+  inside ``specdec.graphs.cpu_proxy()``, the CPU stand-in the tests run. Not yet run on
+  a GPU (no GPU in the sessions that wrote it): ``benchmarks/gpu_throughput.sh`` with
+  ``COMPILE=cuda-graphs`` is its first check (exactness included: the benchmark
+  compares every row with batch-1 decoding). A forward the graphs cannot serve (a
+  guarded model, a failed capture) runs eagerly and is counted (``Stats.graphs``).
 
 Regions are compiled once per module and mode and kept (``_COMPILED``), so later calls
 reuse them; ``compiled(model, mode)`` installs them for the duration of a call only
@@ -42,6 +44,8 @@ import weakref
 
 import torch
 
+from . import graphs as graphs_mod
+
 #: the values ``compile=`` takes
 MODES = (None, "inductor", "cuda-graphs")
 
@@ -59,10 +63,11 @@ def check(mode, model: torch.nn.Module) -> str | None:
     if mode not in MODES:
         raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
     dev = next(model.parameters()).device
-    if mode == "cuda-graphs" and dev.type != "cuda":
+    if mode == "cuda-graphs" and dev.type != "cuda" and not graphs_mod.proxy_active():
         raise ValueError(f"compile='cuda-graphs' captures CUDA graphs: it needs a model on a "
                          f"CUDA device, the model is on {dev.type!r} (on a CPU use "
-                         f"compile='inductor')")
+                         f"compile='inductor'; specdec.graphs.cpu_proxy() checks the "
+                         f"capture path on a CPU)")
     if mode == "inductor" and dev.type == "cpu" and cxx_compiler() is None:
         raise ValueError("compile='inductor' on a CPU builds C++ kernels: it needs a C++ "
                          "compiler ($CXX, g++, c++ or clang++ on PATH), none was found "
@@ -126,11 +131,17 @@ def _compile(module: torch.nn.Module, mode: str):
 
 
 @contextlib.contextmanager
-def compiled(model: torch.nn.Module | None, mode: str | None):
+def compiled(model: torch.nn.Module | None, mode: str | None, whole: bool = False):
     """Run the block with ``model``'s regions compiled for ``mode`` (``mode`` or ``model``
-    None: nothing changes); every region's own ``forward`` is restored afterwards."""
+    None: nothing changes); every region's own ``forward`` is restored afterwards.
+    ``whole`` (the target) with ``"cuda-graphs"``: its bucketed forwards are captured
+    whole instead (``specdec.graphs``); yields the ``ForwardGraphs``, else None."""
     if mode is None or model is None:
-        yield model
+        yield None
+        return
+    if whole and mode == "cuda-graphs":
+        with graphs_mod.installed(model) as graphs:
+            yield graphs
         return
     installed = []
     try:
@@ -138,7 +149,7 @@ def compiled(model: torch.nn.Module | None, mode: str | None):
             had = "forward" in vars(module)
             installed.append((module, had, vars(module).get("forward")))
             module.forward = _compile(module, mode)
-        yield model
+        yield None
     finally:
         for module, had, old in installed:
             if had:

@@ -84,7 +84,7 @@ def validate(target, prompts, *, tokenizer, drafter, strategy, k, batch_size, ma
 
 def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec", k=4,
              batch_size=8, max_new_tokens=64, stop_token_ids=None, hooks=(), sampling=None,
-             policy="adaptive", compile=None, static_shapes=False, **options) -> Result:
+             policy="adaptive", compile=None, static_shapes=None, **options) -> Result:
     """Speculative decoding of ``prompts`` with ``target``: greedy, or sampled.
 
     Returns ``Result(sequences, stats)``: ``sequences[i]`` is the list of generated ids of
@@ -116,11 +116,14 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     is full).
 
     ``compile``: None (eager), ``"inductor"`` or ``"cuda-graphs"`` (CUDA models only):
-    the opt-in compiled fast path (``specdec.compiled``: the width-independent regions of
-    the target's and a draft model's layers compiled, attention and every hook eager);
-    the tokens are the same.
+    the opt-in compiled fast path (``specdec.compiled``): inductor compiles the
+    width-independent regions of the target's and a draft model's layers (attention and
+    every hook eager); cuda-graphs captures the target's whole decode and verify
+    forwards, one CUDA graph per shape bucket (``specdec.graphs``; static shapes on,
+    ``Stats.graphs`` counts captures, replays and eager forwards); the tokens are the same.
 
-    ``static_shapes``: False (eager widths), or True: the decode and verify forwards run
+    ``static_shapes``: None (the default: on with ``compile="cuda-graphs"``, else off),
+    False (eager widths), or True: the decode and verify forwards run
     at few shapes (``specdec.static``: verify width 1 or ``k + 1``, key widths rounded up
     to buckets, inputs written into buffers allocated once per run, one cache per run);
     the tokens are the same.
@@ -135,7 +138,7 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
                  stop_token_ids=stop_token_ids, hooks=hooks)
     sampling = sampling_mod.checked(sampling)
     mode = compiled_mod.check(compile, target)
-    static_shapes = static_mod.checked(static_shapes)
+    static_shapes = static_mod.checked(static_shapes, mode)
     ids, drafter, k, batch_size, max_new_tokens = a.ids, a.drafter, a.k, a.batch_size, a.max_new_tokens
     plugin = strategies.get(strategy)
     given = {name: v for name, v in options.items() if v is not None}
@@ -164,9 +167,12 @@ def generate(target, prompts, *, tokenizer=None, drafter=None, strategy="eqspec"
     draft_model = getattr(drafter, "model", None) if mode is not None else None
     if not isinstance(draft_model, torch.nn.Module):
         draft_model = None
-    with compiled_mod.compiled(target, mode), compiled_mod.compiled(draft_model, mode):
+    with compiled_mod.compiled(target, mode, whole=True) as graphs, \
+            compiled_mod.compiled(draft_model, mode):
         plugin.run(ctx, state, ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
                    done=done)
+    if graphs is not None:
+        state.stats.graphs = graphs.counts()
     return Result(sequences=collect(done, len(ids)), stats=state.stats)
 
 

@@ -105,6 +105,9 @@ class Stats:
     grouped_steps: int | None = None
     # holes: compactions run (slack past the threshold or capacity); else None
     compactions: int | None = None
+    # compile="cuda-graphs": {"captured", "replayed", "eager": {reason: n}, "failed"}
+    # of the target's forwards (``specdec.graphs``); else None
+    graphs: dict | None = None
 
     @property
     def acceptance(self) -> float:
@@ -158,7 +161,7 @@ class Stats:
                 "committed": self.committed, "acceptance": self.acceptance,
                 "mean_draft_length": self.mean_draft_length, "widths": dict(self.widths),
                 "group_rate": self.group_rate, "compactions": self.compactions,
-                "seconds": dict(self.seconds)}
+                "graphs": self.graphs, "seconds": dict(self.seconds)}
 
 
 @dataclass(frozen=True)

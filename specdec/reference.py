@@ -30,7 +30,7 @@ from .models import stop_token_ids as model_stop_ids
 @torch.no_grad()
 def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_token_ids=None,
                        tokenizer=None, return_margins=False, sampling=None, compile=None,
-                       static_shapes=False):
+                       static_shapes=None):
     """Generated ids per prompt (stop token included where one ended the row): greedy, or
     plain sampling with ``sampling`` (a ``specdec.Sampling``; request i samples with
     (seed, i), so a row's ids depend only on its prompt, the seed, i and the parameters,
@@ -52,14 +52,14 @@ def reference_generate(target, prompts, *, max_new_tokens, batch_size=1, stop_to
         target, prompts, tokenizer, max_new_tokens, batch_size, stop_token_ids)
     sampling = sampling_mod.checked(sampling)
     mode = compiled_mod.check(compile, target)
-    static_shapes = static_mod.checked(static_shapes)
+    static_shapes = static_mod.checked(static_shapes, mode)
     if return_margins and sampling is not None and sampling.mode != "coupled":
         raise ValueError("return_margins needs greedy decoding or coupled sampling: rejection "
                          "sampling maximises no score (its tokens are random samples)")
     dev = next(target.parameters()).device
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     seqs, margins = [], []
-    with compiled_mod.compiled(target, mode):
+    with compiled_mod.compiled(target, mode, whole=True):
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
             out, marg = _decode_batch(target, chunk, max_new_tokens, stop_t, dev, sampling,

@@ -50,11 +50,19 @@ import torch
 KEY_GRANULE = 32
 
 
-def checked(value) -> bool:
-    """``static_shapes=`` checked at the boundary: a bool (``TypeError`` otherwise)."""
+def checked(value, compile_mode=None) -> bool:
+    """``static_shapes=`` checked at the boundary: True, False or None (the default: on
+    with ``compile="cuda-graphs"``, whose graphs are captured per bucket, else off);
+    ``TypeError`` for another type, ``ValueError`` for False with ``"cuda-graphs"``."""
+    if value is None:
+        return compile_mode == "cuda-graphs"
     if not isinstance(value, bool):
-        raise TypeError(f"static_shapes must be True or False, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(f"static_shapes must be True, False or None, got "
+                        f"{type(value).__name__} {value!r}")
+    if not value and compile_mode == "cuda-graphs":
+        raise ValueError("compile='cuda-graphs' captures one graph per shape bucket, so it "
+                         "needs static_shapes (True, or None: the default turns them on), "
+                         "got static_shapes=False")
     return value
 
 

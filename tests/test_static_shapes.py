@@ -105,9 +105,9 @@ def bound(steps: list[dict]) -> int:
 
 def test_static_shapes_takes_a_bool():
     target, _ = tiny_pair("llama")
-    with pytest.raises(TypeError, match=r"static_shapes must be True or False, got str 'yes'"):
+    with pytest.raises(TypeError, match=r"static_shapes must be True, False or None, got str 'yes'"):
         specdec.generate(target, PROMPTS, static_shapes="yes")
-    with pytest.raises(TypeError, match=r"static_shapes must be True or False, got int 1"):
+    with pytest.raises(TypeError, match=r"static_shapes must be True, False or None, got int 1"):
         specdec.reference_generate(target, PROMPTS, max_new_tokens=2, static_shapes=1)
 
 
