@@ -690,7 +690,7 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
                           None if key_width is None else cache.width)
     keep = 1 if last_logits else 0
 
-    def run(ids, pos, m):
+    def call(ids, pos, m):  # the model as always: its hooks see the forward
         return model(input_ids=ids, position_ids=pos, attention_mask=m, use_cache=True,
                      logits_to_keep=keep, **{CACHE_KWARG: cache}).logits
 
@@ -698,12 +698,18 @@ def forward(model, input_ids, positions, attention_mask, cache, key_positions=No
         cache.slab.key_width = key_width
     try:
         captured = graphs_mod.active(model) if key_width is not None else None
-        if captured is not None:  # compile="cuda-graphs": a graph per bucket
+        if captured is None:
+            logits = call(input_ids, positions, mask)
+        else:  # compile="cuda-graphs": a graph per bucket
+            own = vars(model).get("forward") or type(model).forward.__get__(model)
             cached = cache.width
-            logits = captured.forward(run, input_ids, positions, mask, cache, key_width, keep,
-                                      lambda m: slot_masks(model, m, cached, q))
-        else:
-            logits = run(input_ids, positions, mask)
+
+            def core(ids, pos, m):  # the model's own forward, no hooks: what is captured
+                return own(input_ids=ids, position_ids=pos, attention_mask=m, use_cache=True,
+                           logits_to_keep=keep, **{CACHE_KWARG: cache}).logits
+
+            logits = captured.forward(call, core, input_ids, positions, mask, cache, key_width,
+                                      keep, lambda m: slot_masks(model, m, cached, q))
     finally:
         if key_width is not None:
             cache.slab.key_width = None

@@ -23,13 +23,17 @@ A bucket's key: rows, tokens per row, key width, which of the cache's two buffer
 the store (a realignment swaps them: ``_Slab.swap``) and its shape, the offset tensor's
 address, the input dtypes and mask kinds.
 
+The model's forward hooks still see every forward (``guard_model``'s rules on the
+inputs): the model is called as always (``Module.__call__``: pre-hooks, forward,
+hooks), with its ``forward`` standing in for the graph for the call's duration, so the
+hooks get the forward's own arguments (the 2-D mask) and an output with its logits.
+
 Not captured (the forward runs eagerly, counted in ``ForwardGraphs.eager`` by reason): a
-prefill (no key width: one shape per batch), a model with forward hooks or pre-hooks
-(``guard_model``: its hooks must see every forward, and a replay runs no Python), a
-cache whose ``update`` is wrapped (``guard_model``'s content rules), a cache other than a
-``SlabCache``, and a bucket whose capture failed (the error is kept in ``failures`` and
-the bucket runs eagerly from then on; its first forward's outputs are recomputed eagerly,
-so a failed capture costs time, never tokens).
+prefill (no key width: one shape per batch), a cache whose ``update`` is wrapped
+(``guard_model``'s content rules learn from every update, which a replay does not call),
+a cache other than a ``SlabCache``, and a bucket whose capture failed (the error is kept
+in ``failures`` and the bucket runs eagerly from then on; its first forward's outputs are
+recomputed eagerly, so a failed capture costs time, never tokens).
 
 On a CPU there are no CUDA graphs; ``cpu_proxy()`` runs the same path with a stand-in that
 checks what a graph would get wrong (tests, and a user who wants to know whether a model
@@ -48,6 +52,7 @@ import weakref
 from collections import Counter
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 #: model -> its ForwardGraphs, while a ``compiled(model, "cuda-graphs")`` block runs
 _ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -90,6 +95,11 @@ def installed(model):
         yield graphs
     finally:
         _ACTIVE.pop(model, None)
+
+
+def _global_hooks() -> bool:
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
 def _copy_into(static, given) -> None:
@@ -151,29 +161,56 @@ class ForwardGraphs:
 
     def why_eager(self, cache) -> str | None:
         """Why this forward cannot run from a graph (None: it can)."""
-        model = self.model
         if not hasattr(cache, "slab") or not hasattr(cache, "addressed"):
             return "the cache is not a SlabCache"
         if "update" in vars(cache):
             return "the cache's update is wrapped (guard_model's content rules)"
-        if model._forward_hooks or model._forward_pre_hooks:
-            return "the model has forward hooks (guard_model): they must see every forward"
-        hooks = torch.nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return "global module forward hooks are registered"
         return None
 
-    def forward(self, run, input_ids, positions, mask, cache, key_width: int,
+    def forward(self, call, core, input_ids, positions, mask, cache, key_width: int,
                 logits_to_keep: int, four_d=None):
-        """The logits of ``run(ids, pos, mask)`` (the model's forward over ``cache``) from
-        a captured graph of this bucket, capturing it first; eagerly where it cannot be
-        captured (``why_eager``). ``four_d``: a 2-D mask -> the 4-D mask(s) the model
-        would build from it (a captured forward is handed those, so that transformers
-        builds no mask from the cache's host width inside the graph)."""
+        """The logits of a forward over ``cache`` served by a captured graph of its bucket
+        (captured first), or eagerly where it cannot be (``why_eager``). ``call(ids, pos,
+        mask)``: the model called as always (its hooks run), returning its logits;
+        ``core(ids, pos, mask)``: the model's own forward, no hooks (what is captured).
+        ``four_d``: a 2-D mask -> the 4-D mask(s) the model would build from it (a captured
+        forward is handed those, so that transformers builds no mask from the cache's host
+        width inside the graph)."""
         reason = self.why_eager(cache)
         if reason is not None:
             self.eager[reason] += 1
-            return run(input_ids, positions, mask)
+            return call(input_ids, positions, mask)
+        model = self.model
+        if not (model._forward_hooks or model._forward_pre_hooks or _global_hooks()):
+            return self._serve(core, input_ids, positions, mask, cache, key_width,
+                               logits_to_keep, four_d)
+        # hooks: the model is called as always, its forward standing in for the graph
+        had = "forward" in vars(model)
+        old = vars(model).get("forward")
+
+        def served(*args, **kwargs):
+            again = self.why_eager(cache)  # a pre-hook may have wrapped the cache's update
+            if again is not None:
+                self.eager[again] += 1
+                return CausalLMOutputWithPast(
+                    logits=core(kwargs["input_ids"], kwargs["position_ids"],
+                                kwargs["attention_mask"]), past_key_values=cache)
+            logits = self._serve(core, kwargs["input_ids"], kwargs["position_ids"],
+                                 kwargs["attention_mask"], cache, key_width, logits_to_keep,
+                                 four_d)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+        model.forward = served
+        try:
+            return call(input_ids, positions, mask)
+        finally:
+            if had:
+                model.forward = old
+            else:
+                vars(model).pop("forward", None)
+
+    def _serve(self, core, input_ids, positions, mask, cache, key_width, logits_to_keep,
+               four_d):
         if four_d is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             mask = four_d(mask)
         slab = cache.slab
@@ -187,21 +224,21 @@ class ForwardGraphs:
                    _signature(mask))
             if key in self.failures:
                 self.eager["its bucket's capture failed"] += 1
-                return run(input_ids, positions, mask)
+                return core(input_ids, positions, mask)
             g = self.graphs.get(key)
             if g is None:
                 try:
-                    g = self._capture(run, input_ids, positions, mask, cache)
+                    g = self._capture(core, input_ids, positions, mask, cache)
                 except Exception as e:  # noqa: BLE001 - any failure: eager, kept with its reason
                     self.failures[key] = f"{type(e).__name__}: {e}"
                     self.eager["its bucket's capture failed"] += 1
                     # (the offset-addressed writes are idempotent: an eager forward now
                     # writes and attends what the failed capture may have half-written)
-                    return run(input_ids, positions, mask)
+                    return core(input_ids, positions, mask)
                 self.graphs[key] = g
                 self.captured += 1
             self.replayed += 1
-            return self._replay(g, run, input_ids, positions, mask, cache)
+            return self._replay(g, core, input_ids, positions, mask, cache)
 
     def _capture(self, run, ids, pos, mask, cache) -> _Graph:
         g = _Graph(ids, pos, mask)

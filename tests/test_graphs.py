@@ -14,8 +14,11 @@ replays with). Specified:
   not copy its inputs, changes the tokens;
 - a forward that cannot be captured (a host read inside it) runs eagerly, with the reason
   kept, and the tokens stay right;
-- the Monitor (strict) checks a captured run; ``guard_model``'s hooks must see every
-  forward, so a guarded model's forwards run eagerly (counted), and the guard is silent;
+- the Monitor (strict) checks a captured run; the model's forward hooks see every
+  captured forward with its own arguments (``guard_model`` counts them all, is silent on
+  a right run and raises on a wrong position inside a replayed bucket); the guard's
+  content rules learn from every cache update, which a replay does not make, so with
+  ``prompts=`` a guarded model's forwards run eagerly (counted), and the guard is silent;
 - the boundary: "cuda-graphs" needs static shapes (on by default with it) and, outside
   the stand-in, a CUDA model.
 """
@@ -31,7 +34,7 @@ import transformers
 
 import specdec
 from conftest import tiny_pair
-from invariants import Monitor, guard_model
+from invariants import InvariantViolation, Monitor, guard_model
 from specdec import cache as cache_mod
 from specdec import drafters, graphs, models, static
 from specdec.strategies import names as strategy_names
@@ -162,7 +165,49 @@ def test_the_strict_monitor_checks_a_captured_run(strategy):
 
 
 @pytest.mark.engine
-def test_a_guarded_model_runs_its_forwards_eagerly_and_the_guard_is_silent():
+def test_forward_hooks_see_every_captured_forward_and_the_guard_is_silent():
+    target, _ = tiny_pair("llama")
+    expected = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET, stop_token_ids=[])
+    seen = []  # the rank of the mask every forward's pre-hook gets
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["attention_mask"].dim())
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with guard_model(target, mode="strict") as guard:
+            res = captured_run(target)
+    finally:
+        handle.remove()
+    assert res.sequences == expected
+    assert_all_captured(res.stats)
+    # every forward: the replays and the (eager) prefills, each with the loop's 2-D mask
+    assert guard.forwards == len(seen) > res.stats.graphs["replayed"]
+    assert set(seen) == {2}
+
+
+@pytest.mark.engine
+def test_the_guard_catches_a_wrong_position_in_a_replayed_forward(monkeypatch):
+    target, _ = tiny_pair("llama")
+    orig, calls = cache_mod.forward, []
+
+    def skipping(model, input_ids, positions, *args, **kw):  # a verify skips a position
+        if kw.get("key_width") is not None and input_ids.shape[1] > 1:
+            calls.append(1)
+            if len(calls) == 6:
+                positions = positions.clone()
+                positions[0, -1] += 1
+        return orig(model, input_ids, positions, *args, **kw)
+
+    monkeypatch.setattr(cache_mod, "forward", skipping)
+    with guard_model(target, mode="strict") as guard, \
+            pytest.raises(InvariantViolation, match="I3"):
+        captured_run(target)
+    assert len(calls) == 6 and guard.forwards > 6
+
+
+@pytest.mark.engine
+def test_a_guard_with_content_rules_runs_its_forwards_eagerly_and_is_silent():
     target, _ = tiny_pair("llama")
     expected = specdec.reference_generate(target, PROMPTS, max_new_tokens=BUDGET, stop_token_ids=[])
     with guard_model(target, mode="strict", prompts=PROMPTS, max_new_tokens=BUDGET,
