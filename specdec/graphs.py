@@ -176,41 +176,36 @@ class ForwardGraphs:
         ``four_d``: a 2-D mask -> the 4-D mask(s) the model would build from it (a captured
         forward is handed those, so that transformers builds no mask from the cache's host
         width inside the graph)."""
-        reason = self.why_eager(cache)
-        if reason is not None:
-            self.eager[reason] += 1
-            return call(input_ids, positions, mask)
         model = self.model
         if not (model._forward_hooks or model._forward_pre_hooks or _global_hooks()):
             return self._serve(core, input_ids, positions, mask, cache, key_width,
                                logits_to_keep, four_d)
         # hooks: the model is called as always, its forward standing in for the graph
-        had = "forward" in vars(model)
+        # (checked for eagerness inside: a pre-hook may wrap the cache's update)
         old = vars(model).get("forward")
 
         def served(*args, **kwargs):
-            again = self.why_eager(cache)  # a pre-hook may have wrapped the cache's update
-            if again is not None:
-                self.eager[again] += 1
-                return CausalLMOutputWithPast(
-                    logits=core(kwargs["input_ids"], kwargs["position_ids"],
-                                kwargs["attention_mask"]), past_key_values=cache)
-            logits = self._serve(core, kwargs["input_ids"], kwargs["position_ids"],
-                                 kwargs["attention_mask"], cache, key_width, logits_to_keep,
-                                 four_d)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+            return CausalLMOutputWithPast(
+                logits=self._serve(core, kwargs["input_ids"], kwargs["position_ids"],
+                                   kwargs["attention_mask"], cache, key_width,
+                                   logits_to_keep, four_d),
+                past_key_values=cache)
 
         model.forward = served
         try:
             return call(input_ids, positions, mask)
         finally:
-            if had:
-                model.forward = old
+            if old is None:
+                del model.forward
             else:
-                vars(model).pop("forward", None)
+                model.forward = old
 
     def _serve(self, core, input_ids, positions, mask, cache, key_width, logits_to_keep,
                four_d):
+        reason = self.why_eager(cache)
+        if reason is not None:
+            self.eager[reason] += 1
+            return core(input_ids, positions, mask)
         if four_d is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             mask = four_d(mask)
         slab = cache.slab
