@@ -132,7 +132,9 @@ def key_fingerprint(keys: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     words = key_words(keys)
     if mult.shape[-1] != words.shape[-1]:
         words = _float_words(keys)
-    return (words * mult).sum(dim=3).sum(dim=1)
+    # heads first: an int64 sum over the short word dimension is slow on a CPU
+    # (provenance.fingerprint)
+    return (words * mult).sum(dim=1).sum(dim=-1)
 
 
 def fingerprint_layer(cache) -> int | None:

@@ -120,9 +120,13 @@ def fingerprint(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     last layer's values), both head-major ``[B, H, q, D]`` as caches hold them: the sum,
     over heads and head dims, of their bits read as integers (``words``), in int64.
     Integer sums wrap modulo 2**64, which is exact and independent of the order of the
-    additions. One copy (the two side by side along heads, so the first sum runs over
-    contiguous memory) and two sums: three kernels."""
-    return words(torch.cat([k, v], dim=1)).sum(dim=-1).sum(dim=1)
+    additions. One copy (the two side by side along heads) and two sums: three kernels.
+    The heads are summed first, then the words: a sum over a short last dimension of
+    int64 (8 words of a head) runs element by element on a CPU (8.5 us at a tiny Llama's
+    [8, 8, 38, 8], one thread, against 3.6 us for the heads' sum), so reducing the heads
+    first takes the fingerprint from 16.4 us to 12.0 (same order-free integer sums, so
+    the same values)."""
+    return words(torch.cat([k, v], dim=1)).sum(dim=1).sum(dim=-1)
 
 
 def cache_ends(get, first: int = 0, last: int | None = None):
