@@ -43,6 +43,11 @@ little less than the total), per engine step, against the engine's own CPU
 time per step (the median of the ``none`` runs): what the Monitor's code costs, with
 the machine's noise mostly gone (a lower bound of its cost in a run, where the model's
 forwards evict what the hooks would find in the caches).
+``--breakdown`` (with ``--replay``) splits that time further, on the same views: what
+``check()`` spends in each fusion's batched check and in KV provenance's ``detect``, and
+KV provenance's whole cost, the Monitor's total less its total without ``I5`` (the
+other invariants share fused checks, so no such difference is taken for them; a
+diagnostic, not a configuration: no rule is optional).
 ``--json`` writes everything. Exit status 1 when any configuration changed the tokens.
 
     python benchmarks/monitor_overhead.py                          # both settings, CPU
@@ -54,6 +59,7 @@ forwards evict what the hooks would find in the caches).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -67,6 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec  # noqa: E402
 from invariants import Monitor, guard_model  # noqa: E402
+from invariants import predicates as P  # noqa: E402
+from invariants import provenance as PV  # noqa: E402
+from invariants import rules as R  # noqa: E402
 from invariants.provenance import cache_ends  # noqa: E402
 from invariants.testing import watch_hook  # noqa: E402
 from invariants.view import PHASES  # noqa: E402
@@ -243,11 +252,85 @@ def replay_costs(target, ids, strategy: str, args, engine_cpu: float) -> list[di
             spent["check"] += time.thread_time_ns() - t0
             spent["total"] = sum(spent.values())
             best = {k: min(best.get(k, x), x) for k, x in spent.items()}
-        rows.append({"strategy": strategy, "mode": mode, "replays": args.replay,
-                     "steps": steps, "views": len(views),
-                     "us_per_step": {k: x / steps / 1e3 for k, x in best.items()},
-                     "share_of_engine": best["total"] / 1e9 / max(engine_cpu, 1e-9)})
+        row = {"strategy": strategy, "mode": mode, "replays": args.replay,
+               "steps": steps, "views": len(views),
+               "us_per_step": {k: x / steps / 1e3 for k, x in best.items()},
+               "share_of_engine": best["total"] / 1e9 / max(engine_cpu, 1e-9)}
+        if getattr(args, "breakdown", False):
+            row.update(_breakdown(views, mode, args.replay, steps, engine_cpu))
+        rows.append(row)
     return rows
+
+
+def _replayed(views, mode: str, invariants=None, parts: dict | None = None) -> int:
+    """Thread CPU nanoseconds of one replay of ``views`` into a new Monitor, ``check()``
+    included; with ``parts``, what ``check()`` spends in each fusion's batched check and
+    in KV provenance's ``detect`` is added to it (nanoseconds by name)."""
+    mon = Monitor(mode, invariants=invariants)
+    t0 = time.thread_time_ns()
+    for phase, view in views:
+        mon(phase, view)
+    if parts is None:
+        mon.check()
+    else:
+        with _timed_parts(parts):
+            mon.check()
+    return time.thread_time_ns() - t0
+
+
+@contextlib.contextmanager
+def _timed_parts(spent: dict):
+    """While active, each ``rules.FUSIONS`` entry's ``batch`` and ``batch_refs`` and
+    ``provenance.detect`` add their thread CPU nanoseconds to ``spent`` (by name)."""
+    undo = []
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0) + time.thread_time_ns() - t0
+        return call
+
+    for f in R.FUSIONS:
+        for attr in ("batch", "batch_refs"):
+            fn = getattr(f, attr)
+            if fn is not None:
+                undo.append((f, attr, fn))
+                object.__setattr__(f, attr, timed("+".join(f.groups), fn))  # (frozen)
+    detect = PV.detect
+    PV.detect = timed("I5.provenance (detect)", detect)
+    try:
+        yield spent
+    finally:
+        PV.detect = detect
+        for f, attr, fn in undo:
+            object.__setattr__(f, attr, fn)
+
+
+def _breakdown(views, mode: str, replays: int, steps: int, engine_cpu: float) -> dict:
+    """``--breakdown``: where the Monitor's time goes, from replays of the same views
+    (minimum over ``replays`` each, us per engine step): ``check()`` by part (fast mode:
+    each fusion's batched check, KV provenance's ``detect``), and KV provenance's whole
+    cost, the Monitor's total less its total without ``I5`` (its hooks and ``detect``;
+    the other invariants share fusions, so leaving one out changes how the rest run and
+    the difference would mean nothing). A diagnostic, never a configuration to run: no
+    rule is optional. Shares are of the engine's CPU time with no hooks."""
+    parts: dict = {}
+    for _ in range(replays):
+        got: dict = {}
+        _replayed(views, mode, parts=got)
+        for k, x in got.items():
+            parts[k] = min(parts.get(k, x), x)
+    full = min(_replayed(views, mode) for _ in range(replays))
+    rest = tuple(i for i in P.INVARIANTS if i != "I5")
+    provenance = full - min(_replayed(views, mode, rest) for _ in range(replays))
+    us = lambda ns: ns / steps / 1e3  # noqa: E731
+    return {"check_parts_us": {k: us(x) for k, x in sorted(parts.items())},
+            "provenance_us": us(provenance),
+            "breakdown_total_us": us(full),
+            "breakdown_share": full / 1e9 / max(engine_cpu, 1e-9)}
 
 
 def _frozen(get):
@@ -334,6 +417,18 @@ def report_replays(replays: list[dict]) -> None:
         print(f"{r['strategy']:<8} {r['mode']:<7}"
               + "".join(f"{us[c]:>9.1f}" if c in us else f"{'-':>9}" for c in cols)
               + f"{r['share_of_engine'] * 100:>7.1f}%")
+    for r in replays:
+        if "check_parts_us" not in r:
+            continue
+        print(f"--breakdown {r['strategy']} {r['mode']}: the Monitor's total "
+              f"{r['breakdown_total_us']:.1f} us per step "
+              f"({r['breakdown_share'] * 100:.1f}% of the engine)")
+        parts = r["check_parts_us"]
+        if parts:
+            print("  check() by part (us/step): " + ", ".join(
+                f"{k} {x:.1f}" for k, x in parts.items()))
+        print(f"  KV provenance (I5), the total less the total without it: "
+              f"{r['provenance_us']:.1f} us/step")
 
 
 def report(rows: list[dict], args) -> None:
@@ -403,6 +498,10 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", type=int, default=0,
                     help="cheap setting: also replay one run's views this many times into a "
                          "new Monitor (fast, strict) and report its own CPU time per step")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with --replay: also split the Monitor's replayed time: check() by "
+                         "part (each fusion's batched check, KV provenance's detect) and KV "
+                         "provenance's whole cost (the total less the total without I5)")
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]

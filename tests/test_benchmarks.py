@@ -161,6 +161,30 @@ def test_monitor_overhead_reports_both_settings_and_the_transfers(tmp_path, caps
     assert "no upload, no data-dependent shape, fast reads nothing" in capsys.readouterr().out
 
 
+def test_monitor_overhead_breakdown_splits_check_by_part_and_restores_the_rules(tmp_path, capsys):
+    """--breakdown: check() split into each fusion's batched check and KV provenance's
+    detect (fast mode: every part timed, none larger than the total), provenance's whole
+    cost, and the timers gone afterwards (the shipped fusions and detect are back)."""
+    mod = load_benchmark("monitor_overhead")
+    from invariants import provenance as PV
+    from invariants import rules as R
+
+    shipped = ([(f.batch, f.batch_refs) for f in R.FUSIONS], PV.detect)
+    out = tmp_path / "bd.json"
+    assert mod.main(["--settings", "cheap", "--strategies", "eqspec", "--max-new-tokens", "8",
+                     "--repeats", "1", "--replay", "1", "--breakdown", "--no-count",
+                     "--policy", "fixed", "--json", str(out)]) == 0
+    assert ([(f.batch, f.batch_refs) for f in R.FUSIONS], PV.detect) == shipped
+    fast, strict = json.loads(out.read_text())["replays"]
+    assert (fast["mode"], strict["mode"]) == ("fast", "strict")
+    parts = fast["check_parts_us"]
+    assert "I5.provenance (detect)" in parts and len(parts) >= 3
+    assert all(0 < x < fast["breakdown_total_us"] for x in parts.values())
+    assert not strict["check_parts_us"]  # strict checks in its hooks: check() waits for nothing
+    assert 0 < fast["breakdown_share"] < 10 and "provenance_us" in strict
+    assert "check() by part" in capsys.readouterr().out
+
+
 def test_monitor_overhead_times_hooks_as_a_user_would_pass_them(monkeypatch):
     """The timed hooks keep the Monitor's read_only promise (the null hook makes it too):
     the engine watches them for writes in a run's first steps only, as it watches
